@@ -1,0 +1,27 @@
+"""metalnn: build, train and run neural networks on Apple Silicon through MLX.
+
+Importing metalnn first (before ``mlx.core``) lets it point MLX at an optimized BLAS on Linux;
+see `metalnn._blas`.
+"""
+
+from . import _blas as _blas
+
+_blas.setup()
+
+from . import functional, init, losses  # noqa: E402
+from .data import Data, MTLSize  # noqa: E402
+from .device import Device, default_device, set_default_device  # noqa: E402
+from .errors import MetalnnError, ShapeError, TrainingDivergedError, WeightLoadError  # noqa: E402
+from .layer import Layer, Layers  # noqa: E402
+from .layers import *  # noqa: E402,F401,F403
+from .layers import __all__ as _layer_names  # noqa: E402
+from .trainer import Trainer  # noqa: E402
+from .weights import load_safetensors, open_provider, save_safetensors  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Data", "MTLSize", "Device", "default_device", "set_default_device", "MetalnnError", "ShapeError",
+    "TrainingDivergedError", "WeightLoadError", "Layer", "Layers", "Trainer", "functional", "init", "losses",
+    "load_safetensors", "open_provider", "save_safetensors", *_layer_names,
+]

@@ -1,0 +1,12 @@
+"""Differentiable operations with selectable implementations.
+
+Each op takes ``device=`` (default: the default `Device`) and runs the implementation named by
+``device.kernels``: ``"reference"`` (plain MLX ops), ``"metal"`` (custom Metal kernels through
+``mx.fast.metal_kernel``, with backward kernels registered through ``mx.custom_function``) or
+``"emulate"`` (the same Metal source run by the CPU emulator in ``metal_kernels.emulator``).
+"""
+
+from .norm import rms_norm, rms_norm_reference
+from .rope import rope, rope_reference
+
+__all__ = ["rms_norm", "rms_norm_reference", "rope", "rope_reference"]

@@ -1,0 +1,57 @@
+"""Rotary position embeddings."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..device import resolve
+
+
+def rope_frequencies(dims: int, base: float = 10000.0, freqs=None):
+    """Inverse frequencies ``base^(-2i/dims)`` for ``i < dims/2`` (or the given ``freqs``), float32."""
+    if freqs is not None:
+        return 1.0 / mx.array(freqs, dtype=mx.float32)
+    return mx.power(mx.array(base, mx.float32), -mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+
+
+def rope_reference(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: float = 1.0,
+                   offset=0, freqs=None):
+    """RoPE in plain MLX ops; same semantics as ``mx.fast.rope``.
+
+    Args:
+        x: ``[..., T, D]``; the first ``dims`` features of each position are rotated.
+        traditional: rotate interleaved pairs ``(0,1), (2,3)...`` instead of halves ``(i, i + dims/2)``.
+        offset: position of the first row (an int or a 0-d int array; KV-cache decoding).
+        freqs: optional custom frequencies (as ``mx.fast.rope``'s ``freqs``: periods, inverted here).
+    """
+    T = x.shape[-2]
+    inv = rope_frequencies(dims, base, freqs)
+    pos = (mx.arange(T, dtype=mx.float32) + mx.array(offset).astype(mx.float32)) * scale
+    theta = pos[:, None] * inv[None, :]
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    xf = x.astype(mx.float32)
+    rot, rest = xf[..., :dims], xf[..., dims:]
+    if traditional:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        r1 = x1 * cos - x2 * sin
+        r2 = x1 * sin + x2 * cos
+        rot = mx.stack([r1, r2], axis=-1).reshape(rot.shape)
+    else:
+        half = dims // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rot = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    out = mx.concatenate([rot, rest], axis=-1) if dims < x.shape[-1] else rot
+    return out.astype(x.dtype)
+
+
+def rope(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: float = 1.0, offset=0,
+         freqs=None, device=None):
+    """Rotary position embedding of ``x`` ``[..., T, D]``; same semantics as ``mx.fast.rope``."""
+    device = resolve(device)
+    if dims % 2 or dims <= 0 or dims > x.shape[-1]:
+        raise ValueError(f"rope: dims must be even and in (0, {x.shape[-1]}], got {dims}")
+    if device.kernels == "reference":
+        return rope_reference(x, dims, traditional, base, scale, offset, freqs)
+    from ..kernels import rope as kernel
+
+    return kernel.rope(x, dims, traditional, base, scale, offset, freqs, device)

@@ -1,0 +1,15 @@
+"""metalnn's layers. Every one is a `metalnn.Layer` (an ``mlx.nn.Module``) with ``compile(device, data)``."""
+
+from .activations import GELU, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh, activation
+from .dropout import Dropout
+from .embedding import Embeddings
+from .linear import Linear, LinearWithWeights, MulRows
+from .norm import LayerNorm, RMSNorm
+from .residual import Residual
+from .shape import Flatten, Identity, Reshape
+from .swiglu import SwiGLU
+
+__all__ = [
+    "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation", "Dropout", "Embeddings", "Linear",
+    "LinearWithWeights", "MulRows", "LayerNorm", "RMSNorm", "Residual", "Flatten", "Identity", "Reshape", "SwiGLU",
+]

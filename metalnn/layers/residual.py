@@ -1,0 +1,23 @@
+"""`Residual`: ``x + layers(x)``."""
+
+from __future__ import annotations
+
+from ..data import Data
+from ..layer import Layer, Layers
+
+
+class Residual(Layer):
+    """Skip connection around a chain of layers: ``out = x + inner(x)``.
+
+    Args:
+        layers: a `Layer` or a list of layers (chained). Their output must have the input's dims.
+    """
+
+    def __init__(self, layers):
+        super().__init__()
+        self.inner = layers if isinstance(layers, Layer) else Layers(layers)
+
+    def forward(self, device, data):
+        out = self.compile_child("inner", self.inner, device, data)
+        self.require(out.dims == data.dims, f"inner output dims equal to input dims {data.dims}", f"{out.dims}")
+        return Data(data.array + out.array, data.dims)

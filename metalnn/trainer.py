@@ -1,0 +1,254 @@
+"""`Trainer`: a compiled training loop on mlx.optimizers with exact, resumable checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .device import Device, resolve
+from .errors import TrainingDivergedError
+from .weights import load_safetensors, save_safetensors
+
+
+class Trainer:
+    """Train a metalnn model (any ``mlx.nn.Module``) with an ``mlx.optimizers`` optimizer.
+
+    Args:
+        model: the model.
+        optimizer: e.g. ``mlx.optimizers.AdamW(1e-3)``.
+        loss_fn: ``loss_fn(model, batch, device) -> scalar mx.array``; ``batch`` is whatever the
+            data source yields (typically a tuple of arrays).
+        device: the `Device` (its training flag is set during steps, its key drives dropout).
+        compile: run the step through ``mx.compile`` (default True).
+        clip_grad_norm: clip the global gradient norm to this value.
+        checkpoint_dir: where `fit` writes checkpoints (``step_0000100/``) every ``checkpoint_every``
+            steps and at the end.
+        eval_fn: ``eval_fn(trainer) -> dict`` of metrics, called every ``eval_every`` steps and at the
+            end; results are kept in ``history``.
+        progress: show a tqdm progress bar with loss and throughput.
+    """
+
+    def __init__(self, model, optimizer, loss_fn, device: Device | None = None, compile: bool = True,
+                 clip_grad_norm: float | None = None, checkpoint_dir=None, checkpoint_every: int | None = None,
+                 eval_fn=None, eval_every: int | None = None, progress: bool = True, keep_checkpoints: int = 3):
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = resolve(device)
+        self.use_compile = compile
+        self.clip_grad_norm = clip_grad_norm
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.checkpoint_every = checkpoint_every
+        self.eval_fn = eval_fn
+        self.eval_every = eval_every
+        self.progress = progress
+        self.keep_checkpoints = keep_checkpoints
+        self.step_count = 0
+        self.history = {"loss": [], "eval": []}
+        self._step_fn = None
+        self._pending_resume = None
+
+    # -- one step ----------------------------------------------------------------------------
+    def _ensure_built(self, batch):
+        """Create parameters (first compile) and optimizer state before tracing the step."""
+        if not tree_flatten(self.model.trainable_parameters()) or not _all_built(self.model):
+            was = self.device.training
+            self.device.training = False
+            key = self.device.rng_state[0]
+            mx.eval(self.loss_fn(self.model, batch, self.device))
+            self.device.rng_state[0] = key
+            self.device.training = was
+        if not self.optimizer.state or "step" not in self.optimizer.state:
+            self.optimizer.init(self.model.trainable_parameters())
+
+    def _make_step(self):
+        model, optimizer, device = self.model, self.optimizer, self.device
+        loss_and_grad = nn.value_and_grad(model, lambda batch: self.loss_fn(model, batch, device))
+        clip = self.clip_grad_norm
+
+        def step(batch):
+            loss, grads = loss_and_grad(batch)
+            if clip is not None:
+                grads, _ = optim.clip_grad_norm(grads, clip)
+            optimizer.update(model, grads)
+            return loss
+
+        if self.use_compile:
+            state = [model.state, optimizer.state, device.rng_state, mx.random.state]
+            step = partial(mx.compile, inputs=state, outputs=state)(step)
+        return step
+
+    def step(self, batch):
+        """Run one optimisation step on ``batch``; returns the loss as a Python float."""
+        if self._step_fn is None:
+            self._ensure_built(batch)
+            if self._pending_resume is not None:
+                self._apply_resume()
+            self._step_fn = self._make_step()
+        self.device.training = True
+        try:
+            loss = self._step_fn(batch)
+            mx.eval(loss, self.model.parameters(), self.optimizer.state, self.device.rng_state)
+        finally:
+            self.device.training = False
+        value = loss.item()
+        self.step_count += 1
+        if not math.isfinite(value):
+            raise TrainingDivergedError(self.step_count, value)
+        self.history["loss"].append(value)
+        return value
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self, data, steps: int, items_per_batch: int | None = None, desc: str = "train"):
+        """Train until ``self.step_count == steps``.
+
+        Args:
+            data: ``data(step) -> batch`` (preferred: resuming then sees exactly the batches an
+                uninterrupted run would) or an iterable of batches (on resume the first
+                ``step_count`` batches are skipped).
+            steps: total number of steps (counting steps done before a resume).
+            items_per_batch: items (samples or tokens) per batch, for the throughput display;
+                defaults to the leading size of the batch's first array.
+        Returns:
+            ``self.history``.
+        """
+        if callable(data):
+            get = data
+        else:
+            it = iter(data)
+            for _ in range(self.step_count):
+                next(it)
+            get = lambda _step: next(it)  # noqa: E731
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=steps, initial=self.step_count, desc=desc, dynamic_ncols=True)
+        t0, done0 = time.perf_counter(), self.step_count
+        items = 0
+        try:
+            while self.step_count < steps:
+                batch = get(self.step_count)
+                loss = self.step(batch)
+                items += items_per_batch or _leading(batch)
+                if bar is not None:
+                    rate = items / max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(loss=f"{loss:.4f}", items_s=f"{rate:,.0f}")
+                    bar.update(1)
+                if self.eval_fn and self.eval_every and self.step_count % self.eval_every == 0:
+                    self._evaluate(bar)
+                if self.checkpoint_dir and self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
+                    self.save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+        if self.eval_fn and (not self.eval_every or self.step_count % self.eval_every):
+            self._evaluate(None)
+        if self.checkpoint_dir and self.step_count > done0:
+            self.save_checkpoint()
+        return self.history
+
+    def _evaluate(self, bar):
+        metrics = dict(self.eval_fn(self))
+        metrics["step"] = self.step_count
+        self.history["eval"].append(metrics)
+        if bar is not None:
+            bar.write("step {step}: ".format(**metrics) + ", ".join(
+                f"{k}={v:.4f}" for k, v in metrics.items() if k != "step" and isinstance(v, float)))
+        return metrics
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, path=None) -> Path:
+        """Write weights, optimizer state, step, RNG state and history into a folder, atomically.
+
+        Default location: ``checkpoint_dir/step_<step>``; ``checkpoint_dir/latest`` names it.
+        """
+        if path is None:
+            if self.checkpoint_dir is None:
+                raise ValueError("Trainer.save_checkpoint: give a path or set checkpoint_dir")
+            path = self.checkpoint_dir / f"step_{self.step_count:07d}"
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        save_safetensors(tmp / "model.safetensors", dict(tree_flatten(self.model.parameters())))
+        save_safetensors(tmp / "optimizer.safetensors", dict(tree_flatten(self.optimizer.state)))
+        save_safetensors(tmp / "rng.safetensors", {"device_key": self.device.rng_state[0],
+                                                   "mlx_random_state": mx.random.state[0]})
+        (tmp / "trainer.json").write_text(json.dumps({"step": self.step_count, "history": self.history}))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        if self.checkpoint_dir is not None and path.parent == self.checkpoint_dir:
+            latest = self.checkpoint_dir / "latest"
+            latest_tmp = self.checkpoint_dir / ".latest.tmp"
+            latest_tmp.write_text(path.name)
+            os.replace(latest_tmp, latest)
+            self._prune()
+        return path
+
+    def _prune(self):
+        if not self.keep_checkpoints:
+            return
+        ckpts = sorted(p for p in self.checkpoint_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in ckpts[:-self.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def resume(self, path=None) -> int:
+        """Restore a checkpoint (a ``step_*`` folder, or a checkpoint_dir whose ``latest`` names one).
+
+        Continuing with the same data source afterwards gives the same losses, bit for bit, as a
+        run that was never interrupted. Returns the restored step.
+        """
+        path = Path(path) if path is not None else self.checkpoint_dir
+        if path is None:
+            raise ValueError("Trainer.resume: give a path or set checkpoint_dir")
+        if (path / "latest").exists():
+            path = path / (path / "latest").read_text().strip()
+        if not (path / "trainer.json").exists():
+            raise FileNotFoundError(f"Trainer.resume: {path} is not a checkpoint (no trainer.json)")
+        meta = json.loads((path / "trainer.json").read_text())
+        self.step_count = int(meta["step"])
+        self.history = meta["history"]
+        self._step_fn = None
+        self._pending_resume = path
+        if tree_flatten(self.model.parameters()) and _all_built(self.model):
+            self._apply_resume()
+        return self.step_count
+
+    def _apply_resume(self):
+        path, self._pending_resume = self._pending_resume, None
+        weights = load_safetensors(path / "model.safetensors")
+        self.model.load_weights(list(weights.items()), strict=True)
+        opt = load_safetensors(path / "optimizer.safetensors")
+        self.optimizer.state = tree_unflatten(list(opt.items()))
+        rng = load_safetensors(path / "rng.safetensors")
+        self.device.rng_state[0] = rng["device_key"]
+        mx.random.state[0] = rng["mlx_random_state"]
+        mx.eval(self.model.parameters(), self.optimizer.state)
+
+
+def _leading(batch):
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape else 1
+
+
+def _all_built(model):
+    from .layer import Layer
+
+    for _, m in model.named_modules():
+        if isinstance(m, Layer) and not m.built:
+            return False
+    return True
