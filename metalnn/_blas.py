@@ -222,6 +222,7 @@ def _setup_locked() -> None:
         # Too late: libmlx.so already bound to its bundled reference BLAS. Report how
         # to fix it, without compiling anything.
         built = sorted(glob.glob(os.path.join(_HERE, _SHIM_EXT_GLOB)))
+        built += sorted(glob.glob(os.path.join(_cache_dir(), "cblas_shim-*.so")))
         shim = built[0] if built else None
         _info["library"] = openblas
         _info["shim"] = shim
@@ -286,11 +287,13 @@ def blas_info() -> dict:
 
     Keys: ``active`` (bool: MLX's cblas/LAPACK calls go to OpenBLAS), ``library``
     (path of the OpenBLAS library, or None), ``shim`` (path of the forwarding shim, or
-    None), ``reason`` (why not active, or None), ``config`` (OpenBLAS build/core string
-    when known), ``num_threads`` (OpenBLAS threads when known).
+    None), ``reason`` (why not active, or None), ``config`` (OpenBLAS build string),
+    ``core`` (CPU kernel set OpenBLAS picked, e.g. ``Haswell``; honours OPENBLAS_CORETYPE)
+    and ``num_threads`` (OpenBLAS threads; honours OPENBLAS_NUM_THREADS) when active.
     """
     info = dict(_info)
     info["config"] = None
+    info["core"] = None
     info["num_threads"] = None
     if info["active"] and info["library"]:
         try:
@@ -299,6 +302,9 @@ def blas_info() -> dict:
             fn = blas.scipy_openblas_get_config
             fn.restype = ctypes.c_char_p
             info["config"] = fn().decode()
+            core = blas.scipy_openblas_get_corename
+            core.restype = ctypes.c_char_p
+            info["core"] = core().decode()
             nt = blas.scipy_openblas_get_num_threads
             nt.restype = ctypes.c_int
             info["num_threads"] = int(nt())

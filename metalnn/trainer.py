@@ -27,7 +27,9 @@ class Trainer:
         model: the model.
         optimizer: e.g. ``mlx.optimizers.AdamW(1e-3)``.
         loss_fn: ``loss_fn(model, batch, device) -> scalar mx.array``; ``batch`` is whatever the
-            data source yields (typically a tuple of arrays).
+            data source yields (typically a tuple of arrays). Draw any randomness from
+            ``device.next_key()`` (as `Dropout` does): the device key is checkpointed, MLX's global
+            random state is not.
         device: the `Device` (its training flag is set during steps, its key drives dropout).
         compile: run the step through ``mx.compile`` (default True).
         clip_grad_norm: clip the global gradient norm to this value.
@@ -143,7 +145,7 @@ class Trainer:
                 items += items_per_batch or _leading(batch)
                 if bar is not None:
                     rate = items / max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix(loss=f"{loss:.4f}", items_s=f"{rate:,.0f}")
+                    bar.set_postfix(loss=f"{loss:.4f}", items_s=f"{rate:,.0f}", refresh=False)
                     bar.update(1)
                 if self.eval_fn and self.eval_every and self.step_count % self.eval_every == 0:
                     self._evaluate(bar)
@@ -184,8 +186,7 @@ class Trainer:
         tmp.mkdir(parents=True)
         save_safetensors(tmp / "model.safetensors", dict(tree_flatten(self.model.parameters())))
         save_safetensors(tmp / "optimizer.safetensors", dict(tree_flatten(self.optimizer.state)))
-        save_safetensors(tmp / "rng.safetensors", {"device_key": self.device.rng_state[0],
-                                                   "mlx_random_state": mx.random.state[0]})
+        save_safetensors(tmp / "rng.safetensors", {"device_key": self.device.rng_state[0]})
         (tmp / "trainer.json").write_text(json.dumps({"step": self.step_count, "history": self.history}))
         if path.exists():
             shutil.rmtree(path)
@@ -235,7 +236,6 @@ class Trainer:
         self.optimizer.state = tree_unflatten(list(opt.items()))
         rng = load_safetensors(path / "rng.safetensors")
         self.device.rng_state[0] = rng["device_key"]
-        mx.random.state[0] = rng["mlx_random_state"]
         mx.eval(self.model.parameters(), self.optimizer.state)
 
 
