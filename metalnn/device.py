@@ -27,9 +27,12 @@ class Device:
         seed: seed of the device's random key (dropout, sampling).
         stream: an MLX device or stream to run on (default: MLX's default device).
         training: initial value of the training flag (dropout is active only while training).
+        emulator_options: extra keywords for the emulator on the ``emulate`` path, e.g.
+            ``{"lane_order": "shuffled", "seed": 1}`` to shake out races.
     """
 
-    def __init__(self, kernels: str = "auto", seed: int = 0, stream=None, training: bool = False):
+    def __init__(self, kernels: str = "auto", seed: int = 0, stream=None, training: bool = False,
+                 emulator_options: dict | None = None):
         requested = os.environ.get("METALNN_KERNELS", "").strip().lower() or kernels
         if requested not in KERNEL_CHOICES:
             raise ValueError(f"Device: kernels must be one of {KERNEL_CHOICES}, got {requested!r}")
@@ -41,6 +44,7 @@ class Device:
         self.kernels = requested
         self.stream = stream if stream is not None else mx.default_device()
         self.training = training
+        self.emulator_options = dict(emulator_options or {})
         # A list so mx.compile can track it as state (see Trainer).
         self.rng_state = [mx.random.key(seed)]
 

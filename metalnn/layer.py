@@ -52,13 +52,14 @@ class Layer(nn.Module):
         """Wire this layer into MLX's lazy graph; returns its output `Data`."""
         device = resolve(device)
         data = as_data(data)
-        if not self._built:
-            self.build(device, data.dims, data.dtype)
-            self._built = True
-            self._built_dims = data.dims
-        else:
-            self._check_dims(data.dims)
-        return self.forward(device, data)
+        with mx.stream(device.stream):
+            if not self._built:
+                self.build(device, data.dims, data.dtype)
+                self._built = True
+                self._built_dims = data.dims
+            else:
+                self._check_dims(data.dims)
+            return self.forward(device, data)
 
     def build(self, device: Device, dims: MTLSize, dtype) -> None:
         """Create parameters for inputs of ``dims``. Layers without parameters need not override."""

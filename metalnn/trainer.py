@@ -31,7 +31,8 @@ class Trainer:
             ``device.next_key()`` (as `Dropout` does): the device key is checkpointed, MLX's global
             random state is not.
         device: the `Device` (its training flag is set during steps, its key drives dropout).
-        compile: run the step through ``mx.compile`` (default True).
+        compile: run the step through ``mx.compile`` (default True; always off on the ``emulate``
+            kernel path, whose emulated kernels run eagerly).
         clip_grad_norm: clip the global gradient norm to this value.
         checkpoint_dir: where `fit` writes checkpoints (``step_0000100/``) every ``checkpoint_every``
             steps and at the end.
@@ -47,7 +48,7 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = resolve(device)
-        self.use_compile = compile
+        self.use_compile = compile and self.device.kernels != "emulate"
         self.clip_grad_norm = clip_grad_norm
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
