@@ -1,15 +1,21 @@
 """metalnn's layers. Every one is a `metalnn.Layer` (an ``mlx.nn.Module``) with ``compile(device, data)``."""
 
 from .activations import GELU, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh, activation
+from .containers import Parallel, Sequential
 from .dropout import Dropout
 from .embedding import Embeddings
+from .kmeans import KMeans
 from .linear import Linear, LinearWithWeights, MulRows
 from .norm import LayerNorm, RMSNorm
+from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
+from .softmax import Softmax
 from .swiglu import SwiGLU
 
 __all__ = [
     "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation", "Dropout", "Embeddings", "Linear",
     "LinearWithWeights", "MulRows", "LayerNorm", "RMSNorm", "Residual", "Flatten", "Identity", "Reshape", "SwiGLU",
+
+    "Parallel", "Sequential", "KMeans", "GRU", "LSTM", "RNN", "Softmax",
 ]

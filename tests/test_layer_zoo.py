@@ -1,0 +1,125 @@
+"""Recurrent layers against torch.nn (weights copied), containers, softmax variants, KMeans.
+
+Tolerance: float32, sequences of <= 6 steps of small matrix products: 1e-5.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+import metalnn as mn
+from metalnn.layers.softmax import entmax
+
+ATOL = 1e-5
+
+
+def seq(rng, batch=3, T=6, features=5):
+    return mx.array(rng.normal(size=(batch, T, features)).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+def test_recurrent_matches_torch(kind, rng, device):
+    x = seq(rng)
+    layer = getattr(mn, kind)(7)
+    out = layer.compile(device, mn.Data(x))
+    assert tuple(out.dims) == (7, 6, 3)
+    ref = getattr(torch.nn, kind)(5, 7, batch_first=True)
+    with torch.no_grad():
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            getattr(ref, f"{name}_l0").copy_(torch.tensor(np.array(getattr(layer, name))))
+    xt = torch.tensor(np.array(x), requires_grad=True)
+    yt, _ = ref(xt)
+    np.testing.assert_allclose(np.array(out.array), yt.detach().numpy(), atol=ATOL)
+    cot = rng.normal(size=yt.shape).astype(np.float32)
+    (yt * torch.tensor(cot)).sum().backward()
+
+    def f(params, x_):
+        layer.update(params)
+        return (layer.compile(device, mn.Data(x_)).array * mx.array(cot)).sum()
+
+    gp, gx = mx.grad(f, argnums=(0, 1))(layer.trainable_parameters(), x)
+    np.testing.assert_allclose(np.array(gx), xt.grad.numpy(), atol=ATOL)
+    np.testing.assert_allclose(np.array(gp["weight_hh"]), ref.weight_hh_l0.grad.numpy(), atol=ATOL)
+
+
+def test_recurrent_last_state_only(rng, device):
+    x = seq(rng)
+    full = mn.LSTM(4)
+    a = full.compile(device, mn.Data(x)).array
+    last = mn.LSTM(4, return_sequences=False)
+    last.build_for((5, 6, 3), device=device)
+    last.update(full.parameters())
+    b = last.compile(device, mn.Data(x))
+    assert tuple(b.dims) == (4, 1, 3)
+    np.testing.assert_allclose(np.array(b.array[:, 0]), np.array(a[:, -1]), atol=ATOL)
+
+
+def test_parallel_modes(rng, device):
+    x = mx.array(rng.normal(size=(4, 6)).astype(np.float32))
+    a, b = mn.Linear(3), mn.Linear(3)
+    cat = mn.Parallel([a, b], "concat")
+    y = cat.compile(device, mn.Data(x))
+    assert tuple(y.dims) == (6, 4, 1)
+    ya, yb = a(x, device), b(x, device)
+    np.testing.assert_allclose(np.array(y.array[0]), np.concatenate([np.array(ya), np.array(yb)], -1), atol=ATOL)
+    add = mn.Parallel([a, b], "add")
+    np.testing.assert_allclose(np.array(add(x, device)), np.array(ya + yb), atol=ATOL)
+    avg = mn.Parallel([a, b], "avg")
+    np.testing.assert_allclose(np.array(avg(x, device)), np.array((ya + yb) / 2), atol=ATOL)
+    moe = mn.Parallel([a, b], "filter")
+    out = moe(x, device)
+    gate = mx.softmax(moe.gate(x, device), -1)
+    np.testing.assert_allclose(np.array(out), np.array(gate[:, :1] * ya + gate[:, 1:] * yb), atol=ATOL)
+    assert "gate.weight" in moe.for_update()
+    with pytest.raises(mn.ShapeError, match="branch 1"):
+        mn.Parallel([mn.Linear(3), mn.Linear(4)], "add").compile(device, mn.Data(x))
+    assert mn.Sequential is mn.Layers
+
+
+def test_softmax_variants(rng, device):
+    x = mx.array(rng.normal(size=(5, 8)).astype(np.float32))
+    xt = torch.tensor(np.array(x))
+    np.testing.assert_allclose(np.array(mn.Softmax()(x, device)), torch.softmax(xt, -1).numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.array(mn.Softmax("temperature", temperature=0.5)(x, device)),
+                               torch.softmax(xt / 0.5, -1).numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.array(mn.Softmax("log")(x, device)), torch.log_softmax(xt, -1).numpy(), atol=1e-6)
+    mask = np.array([True, False] * 4)
+    p = np.array(mn.Softmax("masked", mask=mask)(x, device))
+    assert np.all(p[:, ~mask] == 0)
+    np.testing.assert_allclose(p.sum(-1), 1, atol=1e-6)
+    g = np.array(mn.Softmax("grid", groups=2)(x, device))
+    np.testing.assert_allclose(g.reshape(5, 2, 4).sum(-1), 1, atol=1e-6)
+    sm = np.array(mn.Softmax("sparsemax")(x * 3, device))
+    np.testing.assert_allclose(sm.sum(-1), 1, atol=1e-5)
+    assert (sm == 0).any() and (sm >= 0).all()
+    # sparsemax of two values (a, b): p_a = clip((1 + a - b) / 2, 0, 1)
+    two = np.array(mn.Softmax("sparsemax")(mx.array([[0.3, 0.0], [2.0, 0.0]]), device))
+    np.testing.assert_allclose(two, [[0.65, 0.35], [1.0, 0.0]], atol=1e-6)
+    # entmax: alpha -> 1 approaches softmax, alpha = 2 equals sparsemax
+    np.testing.assert_allclose(np.array(entmax(x * 3, 2.0)), sm, atol=1e-4)
+    np.testing.assert_allclose(np.array(entmax(x, 1.001)), torch.softmax(xt, -1).numpy(), atol=2e-3)
+    gumbel = mn.Softmax("gumbel")
+    device.eval()
+    np.testing.assert_allclose(np.array(gumbel(x, device)), torch.softmax(xt, -1).numpy(), atol=1e-6)
+    device.train()
+    assert not np.allclose(np.array(gumbel(x, device)), torch.softmax(xt, -1).numpy(), atol=1e-3)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        mn.Softmax("nope")
+
+
+def test_kmeans(rng, device):
+    centers = np.array([[0, 0], [5, 5], [-5, 5]], np.float32)
+    pts = np.concatenate([c + 0.1 * rng.normal(size=(40, 2)) for c in centers]).astype(np.float32)
+    km = mn.KMeans(3, temperature=0.1).fit(mx.array(pts), iterations=15)
+    found = np.array(km.centroids)
+    for c in centers:
+        assert np.min(np.linalg.norm(found - c, axis=1)) < 0.1
+    p = km.compile(device, mn.Data(mx.array(pts)))
+    assert tuple(p.dims) == (3, 120, 1)
+    np.testing.assert_allclose(np.array(p.array).sum(-1), 1, atol=1e-5)
+    feats = mn.KMeans(3, output="features")
+    y = feats.compile(device, mn.Data(mx.array(pts)))
+    assert tuple(y.dims) == (2, 120, 1)
+    g = mx.grad(lambda c: (mx.softmax(-((mx.array(pts)[:, None] - c) ** 2).sum(-1), -1) ** 2).sum())(km.centroids)
+    assert g.shape == (3, 2)
