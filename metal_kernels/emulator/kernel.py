@@ -1,0 +1,267 @@
+"""`metal_kernel`: a CPU stand-in for `mx.fast.metal_kernel` that runs the same text."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _compiler, _signature, _translate
+from .lint import lint as _lint
+
+
+class EmulatorError(RuntimeError):
+    """A kernel could not be built, or a check failed while it ran."""
+
+
+# canonical dtype name -> (Metal type string, numpy storage dtype)
+_TYPES = {
+    "float32": ("float", np.float32),
+    "float16": ("float16_t", np.float16),
+    "bfloat16": ("bfloat16_t", np.uint16),  # stored as raw bf16 bits
+    "int8": ("int8_t", np.int8),
+    "int16": ("int16_t", np.int16),
+    "int32": ("int32_t", np.int32),
+    "int64": ("int64_t", np.int64),
+    "uint8": ("uint8_t", np.uint8),
+    "uint16": ("uint16_t", np.uint16),
+    "uint32": ("uint32_t", np.uint32),
+    "uint64": ("uint64_t", np.uint64),
+    "bool": ("bool", np.bool_),
+    "float64": ("double", np.float64),
+    "complex64": ("complex64_t", np.complex64),
+}
+_LANE_ORDERS = {"forward": 0, "reversed": 1, "shuffled": 2}
+_POISON_INT = {1: 0xEF, 2: 0xBEEF, 4: 0xDEADBEEF, 8: 0xDEADBEEFDEADBEEF}
+
+
+def _dtype_name(d) -> str:
+    """Canonical name of an mx.Dtype, numpy dtype/type or string."""
+    if isinstance(d, str):
+        name = d
+    elif type(d).__name__ == "Dtype":  # mx.Dtype
+        name = str(d).split(".")[-1]
+    else:
+        name = np.dtype(d).name
+    if name not in _TYPES:
+        raise EmulatorError(f"unsupported dtype {d!r}")
+    return name
+
+
+def _type_string(d) -> str:
+    return _TYPES[_dtype_name(d)][0]
+
+
+def float32_to_bf16_bits(a) -> np.ndarray:
+    """Round float32 values to bfloat16 (nearest even); return the uint16 bit patterns."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    u = a.view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(a)
+    out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def bf16_bits_to_float32(bits) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def as_mx(out, dtype):
+    """Convert an emulator output (numpy; float32 for bfloat16) to an mx.array of `dtype`."""
+    import mlx.core as mx
+
+    return mx.array(out).astype(dtype)
+
+
+def _as_input(x):
+    """-> (numpy array in storage dtype, canonical dtype name)."""
+    if isinstance(x, (bool, np.bool_)):
+        return np.array(bool(x), dtype=np.bool_), "bool"
+    if isinstance(x, int):
+        return np.array(x, dtype=np.int32), "int32"
+    if isinstance(x, float):
+        return np.array(x, dtype=np.float32), "float32"
+    if type(x).__module__.startswith("mlx"):
+        import mlx.core as mx
+
+        name = _dtype_name(x.dtype)
+        if name == "bfloat16":
+            return float32_to_bf16_bits(np.array(x.astype(mx.float32))), name
+        return np.array(x), name
+    a = np.asarray(x)
+    return a, _dtype_name(a.dtype)
+
+
+class MetalKernel:
+    """Callable like the object `mx.fast.metal_kernel` returns; runs on the CPU."""
+
+    def __init__(self, name, input_names, output_names, source, header="",
+                 ensure_row_contiguous=True, atomic_outputs=False, lint=True):
+        if not output_names:
+            raise EmulatorError("[metal_kernel] Must specify at least one output.")
+        self.name = name
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.source = source
+        self.header = header
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self.atomic_outputs = atomic_outputs
+        if lint:
+            problems = _lint(source, header)
+            if problems:
+                raise EmulatorError(
+                    f"kernel '{name}': Metal would reject this text:\n  " + "\n  ".join(problems)
+                )
+        self._shape_infos = _signature.shape_infos(self.input_names, source)
+        self._attrs = _signature.attributes(source)
+
+    # ------------------------------------------------------------ source text
+    def _signature(self, infos, output_dtypes, template):
+        template = list(template or [])
+        out_types = [_type_string(d) for d in output_dtypes]
+        fname = _signature.kernel_name(self.name, template, infos, out_types, _type_string)
+        text, params = _signature.write_signature(
+            fname, self.header, self.source, self.input_names, infos, self.output_names,
+            out_types, template, self._attrs, self._shape_infos, self.atomic_outputs)
+        targs = ""
+        if template:
+            text += _signature.instantiation(fname, template, _type_string)
+            targs = _signature.template_def(template, _type_string)
+        return fname, text, params, targs
+
+    @staticmethod
+    def _infos(inputs):
+        infos = []
+        for x in inputs:
+            a, name = _as_input(x)
+            infos.append(_signature.ArgInfo(_TYPES[name][0], int(a.size), int(a.ndim)))
+        return infos
+
+    def generated_source(self, inputs, output_dtypes, template=None) -> str:
+        """The kernel text MLX 0.32 would generate for these arguments."""
+        return self._signature(self._infos(inputs), output_dtypes, template)[1]
+
+    def translated_source(self, inputs, output_dtypes, template=None) -> str:
+        """The C++ the emulator compiles for these arguments."""
+        fname, text, params, targs = self._signature(self._infos(inputs), output_dtypes, template)
+        return self._cpp(fname, text, params, targs)
+
+    def _cpp(self, fname, text, params, targs):
+        return ('#include "metal_stdlib.hpp"\n'
+                f'#line 1 "{self.name}.metal"\n'
+                + _translate.translate(text)
+                + _translate.launcher(fname, targs, params))
+
+    # ------------------------------------------------------------ running
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+                 init_value=None, verbose=False, stream=None, lane_order="forward", seed=0,
+                 check_races=True, strict_simd=False):
+        del stream
+        if len(inputs) != len(self.input_names):
+            raise EmulatorError(f"[metal_kernel] Expected `inputs` to have size "
+                                f"{len(self.input_names)} but got size {len(inputs)}.")
+        if len(output_shapes) != len(self.output_names):
+            raise EmulatorError(f"[metal_kernel] Expected `output_shapes` to have size "
+                                f"{len(self.output_names)} but got size {len(output_shapes)}.")
+        if len(output_dtypes) != len(self.output_names):
+            raise EmulatorError(f"[metal_kernel] Expected `output_dtypes` to have size "
+                                f"{len(self.output_names)} but got size {len(output_dtypes)}.")
+        if lane_order not in _LANE_ORDERS:
+            raise EmulatorError(f"lane_order must be one of {sorted(_LANE_ORDERS)}")
+        grid = tuple(int(g) for g in grid)
+        tg = tuple(int(t) for t in threadgroup)
+        if len(grid) != 3 or len(tg) != 3:
+            raise EmulatorError("grid and threadgroup must have 3 entries")
+        eff = [max(1, min(t, g)) for t, g in zip(tg, grid)]
+        if eff[0] * eff[1] * eff[2] > 1024:
+            raise EmulatorError(
+                f"kernel '{self.name}': threadgroup {tuple(eff)} has {eff[0] * eff[1] * eff[2]} "
+                "threads, more than the 1024 a Metal device allows")
+
+        arrays, names = [], []
+        for x in inputs:
+            a, n = _as_input(x)
+            if n in ("float64", "complex64"):
+                raise EmulatorError(f"kernel '{self.name}': {n} inputs are not supported")
+            if self.ensure_row_contiguous:
+                a = a if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(a.shape)
+            arrays.append(a)
+            names.append(n)
+        infos = [_signature.ArgInfo(_TYPES[n][0], int(a.size), int(a.ndim))
+                 for a, n in zip(arrays, names)]
+        fname, text, params, targs = self._signature(infos, output_dtypes, template)
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
+        cpp = self._cpp(fname, text, params, targs)
+        try:
+            lib = _compiler.build(cpp)
+        except _compiler.CompileError as e:
+            raise EmulatorError(f"kernel '{self.name}': {e}") from None
+
+        outs = []
+        out_names = [_dtype_name(d) for d in output_dtypes]
+        for shape, n in zip(output_shapes, out_names):
+            store = _TYPES[n][1]
+            o = np.empty(tuple(int(s) for s in shape), dtype=store)
+            if init_value is not None:
+                if n == "bfloat16":
+                    o[...] = float32_to_bf16_bits(np.float32(init_value))
+                else:
+                    o[...] = np.array(init_value).astype(store)
+            elif n in ("float32", "float16", "float64"):
+                o[...] = np.nan
+            elif n == "bfloat16":
+                o[...] = 0x7FC1
+            elif n == "bool":
+                o[...] = False
+            else:
+                o.view(f"u{o.itemsize}")[...] = _POISON_INT[o.itemsize]
+            outs.append(o)
+
+        keep = []  # keep every buffer alive during the launch
+        ptrs, los, his = [], [], []
+
+        def add(arr):
+            keep.append(arr)
+            p = arr.ctypes.data
+            if arr.flags.c_contiguous or arr.size == 0:
+                lo, hi = p, p + arr.nbytes
+            else:
+                lo, hi = np.lib.array_utils.byte_bounds(arr)
+            ptrs.append(p)
+            los.append(lo)
+            his.append(hi)
+
+        for p in params:
+            if p.kind == "attr":
+                continue
+            what, i = p.source
+            a = arrays[i] if what != "output" else outs[i]
+            if what in ("input", "output"):
+                add(a)
+            elif what == "shape":
+                add(np.array(a.shape, dtype=np.int32))
+            elif what == "strides":
+                add(np.array([s // a.itemsize for s in a.strides], dtype=np.int64))
+            elif what == "ndim":
+                add(np.array(a.ndim, dtype=np.int32))
+
+        n = len(ptrs)
+        P = ctypes.c_void_p * max(n, 1)
+        U3 = ctypes.c_uint32 * 3
+        with _compiler.launch_lock:
+            err = lib.mtl_launch(P(*ptrs), P(*los), P(*his), U3(*grid), U3(*tg),
+                                 _LANE_ORDERS[lane_order], int(seed) & (2**64 - 1),
+                                 (1 if check_races else 0) | (2 if strict_simd else 0),
+                                 self.name.encode())
+        if err is not None:
+            raise EmulatorError(err.decode(errors="replace"))
+        return [bf16_bits_to_float32(o) if n == "bfloat16" else o for o, n in zip(outs, out_names)]
+
+
+def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                 atomic_outputs=False, lint=True) -> MetalKernel:
+    """Same arguments as `mx.fast.metal_kernel`; `lint=False` skips the Metal lint."""
+    return MetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
+                       atomic_outputs, lint)
