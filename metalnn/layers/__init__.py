@@ -2,11 +2,13 @@
 
 from .activations import GELU, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh, activation
 from .containers import Parallel, Sequential
+from .conv import Conv1D, Conv2D, Conv3D, ConvTransposed1D, ConvTransposed2D, ConvTransposed3D
 from .dropout import Dropout
 from .embedding import Embeddings
 from .kmeans import KMeans
 from .linear import Linear, LinearWithWeights, MulRows
 from .norm import LayerNorm, RMSNorm
+from .pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
@@ -16,6 +18,7 @@ from .swiglu import SwiGLU
 __all__ = [
     "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation", "Dropout", "Embeddings", "Linear",
     "LinearWithWeights", "MulRows", "LayerNorm", "RMSNorm", "Residual", "Flatten", "Identity", "Reshape", "SwiGLU",
-
     "Parallel", "Sequential", "KMeans", "GRU", "LSTM", "RNN", "Softmax",
 ]
+__all__ += ["Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
+            "MaxPool2D", "AvgPool2D", "GlobalAvgPool"]

@@ -1,0 +1,94 @@
+"""Benchmark conv2d forward+backward: metalnn (reference kernels) vs PyTorch CPU, in one process.
+
+Case (default): batch 16, 32 -> 64 channels, 32x32, 3x3, padding 1, with bias; gradients of
+``sum(conv(x) * g)`` in input, weight and bias. Prints median/min times and the speed ratio
+(PyTorch time / metalnn time; >= 0.5 is the target on a 2-core x86_64 CPU).
+
+    python scripts/bench_conv.py [--reps 30] [--batch 16] [--size 32] [--cin 32] [--cout 64] [--stride 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import metalnn  # noqa: F401  (first: binds MLX to the optimized BLAS)
+import mlx.core as mx
+import numpy as np
+
+
+def _timeit(fn, reps, warmup=3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--cin", type=int, default=32)
+    ap.add_argument("--cout", type=int, default=64)
+    ap.add_argument("--kernel", type=int, default=3)
+    ap.add_argument("--stride", type=int, default=1)
+    ap.add_argument("--padding", type=int, default=1)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as TF
+
+    from metalnn.functional import conv2d
+
+    rng = np.random.default_rng(0)
+    n, c, o, s, k = args.batch, args.cin, args.cout, args.size, args.kernel
+    x = rng.standard_normal((n, c, s, s)).astype(np.float32)
+    w = (rng.standard_normal((o, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
+    b = rng.standard_normal((o,)).astype(np.float32)
+    kw = dict(stride=args.stride, padding=args.padding)
+    out_shape = TF.conv2d(torch.tensor(x), torch.tensor(w), **kw).shape
+    g = rng.standard_normal(tuple(out_shape)).astype(np.float32)
+
+    device = metalnn.Device(kernels="reference")
+    mx_x, mx_w, mx_b, mx_g = (mx.array(a) for a in (x, w, b, g))
+    fwd = lambda: mx.eval(conv2d(mx_x, mx_w, mx_b, device=device, **kw))  # noqa: E731
+    loss = lambda x_, w_, b_: (conv2d(x_, w_, b_, device=device, **kw) * mx_g).sum()  # noqa: E731
+    vg = mx.value_and_grad(loss, argnums=(0, 1, 2))
+    fwd_bwd = lambda: mx.eval(vg(mx_x, mx_w, mx_b))  # noqa: E731
+
+    tx = torch.tensor(x, requires_grad=True)
+    tw = torch.tensor(w, requires_grad=True)
+    tb = torch.tensor(b, requires_grad=True)
+    tg = torch.tensor(g)
+
+    def t_fwd():
+        with torch.no_grad():
+            TF.conv2d(tx, tw, tb, **kw)
+
+    def t_fwd_bwd():
+        tx.grad = tw.grad = tb.grad = None
+        (TF.conv2d(tx, tw, tb, **kw) * tg).sum().backward()
+
+    flops = 2 * n * o * c * k * k * out_shape[2] * out_shape[3]
+    print(f"conv2d x[{n},{c},{s},{s}] w[{o},{c},{k},{k}] stride {args.stride} pad {args.padding} "
+          f"(torch threads {torch.get_num_threads()}, {flops / 1e9:.2f} GFLOP forward)")
+    results = {}
+    for name, fn in [("metalnn fwd", fwd), ("torch fwd", t_fwd), ("metalnn fwd+bwd", fwd_bwd),
+                     ("torch fwd+bwd", t_fwd_bwd)]:
+        med, best = _timeit(fn, args.reps)
+        results[name] = med
+        print(f"  {name:18s} median {med * 1e3:8.2f} ms   min {best * 1e3:8.2f} ms")
+    for what in ("fwd", "fwd+bwd"):
+        ratio = results[f"torch {what}"] / results[f"metalnn {what}"]
+        print(f"  speed ratio {what:8s} metalnn/torch = {ratio:.2f}x")
+    return results
+
+
+if __name__ == "__main__":
+    main()
