@@ -134,14 +134,3 @@ def _x(shape):
 def test_invalid_arguments_raise_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
-
-
-def test_non_reference_kernels_not_implemented():
-    dev = mn.Device(kernels="emulate")
-    try:
-        import metalnn.kernels.conv  # noqa: F401
-        pytest.skip("conv kernels exist")
-    except ImportError:
-        pass
-    with pytest.raises(NotImplementedError, match="conv2d"):
-        conv2d(mx.zeros((1, 1, 3, 3)), mx.zeros((1, 1, 3, 3)), device=dev)

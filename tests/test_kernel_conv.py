@@ -1,0 +1,161 @@
+"""Convolutions on the emulated Metal kernels (``metal_kernels/conv.metal``) against torch.
+
+Every case checks the forward and the gradients in input, weight and bias (through ``mx.grad``,
+so the kernels' VJPs run: conv's dx = dgrad kernel, dw = wgrad kernel; conv_transpose's forward =
+dgrad kernel, dx = forward kernel, dw = wgrad kernel). Shapes are tiny (the emulator runs each GPU
+thread as a fiber) but odd: not multiples of the 32 x 32 x 16 tiles, non-square, stride larger
+than the kernel, groups (depthwise too), dilation, padding, output_padding, several tiles along
+every GEMM axis, split weight-gradient reductions, 1-D and 3-D.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import metalnn as mn
+from metalnn import functional as F
+from metalnn.kernels import conv as conv_kernels
+
+# float32 tolerance (absolute and relative): the kernels sum the same products as torch in a
+# different order (16-long chunks through 8x8 tile products, split-K partials), with values of
+# order 1-10 and at most ~100 terms per sum, so results differ by ~100 ulps of 10 (~1e-5) at most.
+TOL32 = 1e-4
+
+
+def emulate(**options):
+    return mn.Device(kernels="emulate", emulator_options=options)
+
+
+def _rand(shape, seed):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def _run_mx(fn, x, w, b, cot, dtype):
+    xm, wm, bm = (mx.array(a).astype(dtype) for a in (x, w, b))
+    cm = mx.array(cot)
+
+    def loss(x_, w_, b_):
+        return (fn(x_, w_, b_).astype(mx.float32) * cm).sum()
+
+    y = fn(xm, wm, bm)
+    grads = mx.grad(loss, argnums=(0, 1, 2))(xm, wm, bm)
+    return [np.array(a.astype(mx.float32)) for a in (y, *grads)], y
+
+
+def _run_torch(fn, x, w, b, cot):
+    xt, wt, bt = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    y = fn(xt, wt, bt)
+    (y * torch.tensor(cot, dtype=torch.float64)).sum().backward()
+    return [a.detach().numpy() for a in (y, xt.grad, wt.grad, bt.grad)]
+
+
+def check(op, x_shape, w_shape, kwargs, device=None, dtype=mx.float32, tol=TOL32, seed=0):
+    """Compare ``op`` ('conv' or 'conv_transpose', rank from the shapes) with torch: y, dx, dw, db."""
+    n = len(x_shape) - 2
+    name = f"{op}{n}d"
+    out_ch = w_shape[0] if op == "conv" else w_shape[1] * kwargs.get("groups", 1)
+    # Inputs are rounded to ``dtype`` first, so torch (float64) sees the values the kernels see.
+    x, w, b = (np.array(mx.array(_rand(shape, seed + i)).astype(dtype).astype(mx.float32))
+               for i, shape in enumerate((x_shape, w_shape, (out_ch,))))
+    ref = _run_torch(lambda a, c, d: getattr(TF, name)(a, c, d, **kwargs), x, w, b,
+                     _rand(getattr(TF, name)(torch.tensor(x), torch.tensor(w), **kwargs).shape, seed + 3))
+    cot = _rand(ref[0].shape, seed + 3)
+    device = device or emulate()
+    got, y = _run_mx(lambda a, c, d: getattr(F, name)(a, c, d, device=device, **kwargs), x, w, b, cot, dtype)
+    assert y.dtype == dtype and tuple(y.shape) == ref[0].shape
+    for label, g, r in zip(("y", "dx", "dw", "db"), got, ref):
+        np.testing.assert_allclose(g, r, atol=tol, rtol=tol, err_msg=f"{name} {label} {kwargs}")
+    return got
+
+
+CONV2D = [
+    # x shape, w shape, kwargs
+    ((2, 3, 7, 6), (5, 3, 3, 2), dict(stride=(2, 1), padding=(1, 0), dilation=(1, 2))),
+    ((1, 4, 5, 9), (6, 2, 3, 3), dict(padding=1, groups=2)),
+    ((2, 2, 8, 7), (3, 2, 2, 2), dict(stride=3)),                       # stride > kernel: dx holes
+    ((1, 6, 6, 5), (6, 1, 3, 3), dict(padding=2, dilation=2, groups=6)),  # depthwise
+    ((1, 37, 4, 3), (35, 37, 1, 2), dict(padding=(0, 1))),              # 2 tiles in M, 3 K chunks
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,kwargs", CONV2D)
+def test_conv2d_forward_and_grads(x_shape, w_shape, kwargs):
+    check("conv", x_shape, w_shape, kwargs)
+
+
+CONV_T2D = [
+    ((2, 3, 4, 5), (3, 4, 3, 2), dict(stride=2, padding=1, output_padding=1)),
+    ((1, 4, 3, 3), (4, 3, 2, 3), dict(stride=(1, 3), padding=(0, 1), output_padding=(0, 2), dilation=(2, 1),
+                                      groups=2)),
+    ((1, 2, 5, 4), (2, 3, 3, 3), dict(dilation=2, output_padding=1)),   # output_padding < dilation
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,kwargs", CONV_T2D)
+def test_conv_transpose2d_forward_and_grads(x_shape, w_shape, kwargs):
+    check("conv_transpose", x_shape, w_shape, kwargs)
+
+
+@pytest.mark.parametrize("op,x_shape,w_shape,kwargs", [
+    ("conv", (2, 3, 11), (4, 3, 3), dict(stride=2, padding=1, dilation=2)),
+    ("conv", (1, 1, 5), (1, 1, 3), dict(padding=1)),  # < 8 elements: MLX passes `constant` buffers
+    ("conv_transpose", (2, 4, 5), (4, 2, 3), dict(stride=3, output_padding=2, groups=2)),
+    ("conv", (1, 2, 4, 3, 5), (3, 2, 2, 2, 3), dict(stride=(1, 2, 1), padding=(1, 0, 1), dilation=(1, 1, 2))),
+    ("conv_transpose", (1, 2, 3, 2, 3), (2, 2, 2, 2, 2), dict(stride=2, padding=1, output_padding=1)),
+])
+def test_1d_and_3d_forward_and_grads(op, x_shape, w_shape, kwargs):
+    check(op, x_shape, w_shape, kwargs)
+
+
+def test_split_weight_gradient(monkeypatch):
+    # Slices of at least 13 terms, rounded up to the 16-long K chunk: the conv's 32 reduction
+    # terms (2 x 4 x 4 outputs) make 2 full slices, the transposed conv's 40 (2 x 4 x 5 inputs)
+    # make 3 slices, the last one partial.
+    monkeypatch.setattr(conv_kernels, "WGRAD_MIN_SLICE", 13)
+    seen = []
+    launch = conv_kernels._launch
+    monkeypatch.setattr(conv_kernels, "_launch", lambda name, geom, inputs, shape, *a, **k: (
+        seen.append((name, shape)), launch(name, geom, inputs, shape, *a, **k))[1])
+    check("conv", *CONV2D[0])
+    check("conv_transpose", *CONV_T2D[0])
+    assert ("conv2d_wgrad", (2, 5, 18)) in seen and ("conv2d_wgrad", (3, 3, 24)) in seen
+
+
+@pytest.mark.parametrize("lane_order", ["reversed", "shuffled"])
+def test_lane_order_does_not_change_result(lane_order):
+    base = check("conv", *CONV2D[1])
+    other = check("conv", *CONV2D[1], device=emulate(lane_order=lane_order, seed=3))
+    for a, b in zip(base, other):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision(dtype):
+    # Products of the (exactly representable) inputs are summed in float32; the outputs and the
+    # cotangent fed to the backward kernels are rounded to 10 (float16) or 7 (bfloat16) mantissa
+    # bits: ~1e-3 / ~8e-3 relative per rounding, a few roundings on values of order 1-10.
+    check("conv", (1, 3, 5, 4), (4, 3, 2, 2), dict(padding=1), dtype=dtype,
+          tol=1e-2 if dtype == mx.float16 else 5e-2)
+    check("conv_transpose", (1, 3, 3, 4), (3, 2, 2, 3), dict(stride=2, output_padding=1), dtype=dtype,
+          tol=1e-2 if dtype == mx.float16 else 5e-2)
+
+
+def test_layers_run_on_the_kernels():
+    x = mx.array(_rand((2, 4, 6, 5), 7))
+    ref_dev, emu_dev = mn.Device(kernels="reference"), emulate()
+    for layer, out_ch in ((mn.Conv2D(6, 3, padding=1, groups=2, channels=4), 6),
+                          (mn.ConvTransposed2D(3, 3, stride=2, padding=1, output_padding=1, channels=4), 3)):
+        ref = layer.compile(ref_dev, mn.Data.from_nchw(x)).to_nchw(out_ch)
+        got = layer.compile(emu_dev, mn.Data.from_nchw(x)).to_nchw(out_ch)
+        np.testing.assert_allclose(np.array(got), np.array(ref), atol=TOL32, rtol=TOL32)
+
+
+def test_empty_batch_gives_empty_output_and_zero_grads():
+    x = mx.zeros((0, 3, 5, 5))
+    w = mx.array(_rand((4, 3, 3, 3), 9))
+    y = F.conv2d(x, w, padding=1, device=emulate())
+    assert y.shape == (0, 4, 5, 5)
+    dw = mx.grad(lambda w_: F.conv2d(x, w_, device=emulate()).sum())(w)
+    assert dw.shape == w.shape and not np.any(np.array(dw))
