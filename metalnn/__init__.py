@@ -16,6 +16,8 @@ from .layer import Layer, Layers  # noqa: E402
 from .layers import *  # noqa: E402,F401,F403
 from .layers import __all__ as _layer_names  # noqa: E402
 from .trainer import Trainer  # noqa: E402
+from .generation import generate, sample_logits, stream_generate  # noqa: E402
+from . import models  # noqa: E402
 from .weights import load_safetensors, open_provider, save_safetensors  # noqa: E402
 
 __version__ = "0.1.0"
@@ -23,5 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Data", "MTLSize", "Device", "default_device", "set_default_device", "MetalnnError", "ShapeError",
     "TrainingDivergedError", "WeightLoadError", "Layer", "Layers", "Trainer", "functional", "init", "losses",
-    "load_safetensors", "open_provider", "save_safetensors", *_layer_names,
+    "load_safetensors", "open_provider", "save_safetensors", "generate", "stream_generate", "sample_logits",
+    "models", *_layer_names,
 ]

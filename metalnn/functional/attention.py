@@ -1,0 +1,110 @@
+"""Scaled dot-product attention."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ..device import resolve
+
+
+def _check(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"attention: q, k, v must be [B, heads, T, head_dim], got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, _, D = q.shape
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, heads and "
+                         f"length")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"attention: k {tuple(k.shape)} must match q {tuple(q.shape)} in batch and head_dim")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"attention: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+
+
+def causal_mask(t_q: int, t_k: int, offset: int | None = None):
+    """Boolean ``[t_q, t_k]`` mask, True where query ``i`` (at position ``offset + i``) may see key ``j``.
+
+    ``offset=None`` places the queries at the last ``t_q`` positions (``offset = t_k - t_q``).
+    """
+    if offset is None:
+        offset = t_k - t_q
+    q_pos = mx.arange(t_q)[:, None] + offset
+    return mx.arange(t_k)[None, :] <= q_pos
+
+
+def _combined_mask(q, k, causal, mask, offset):
+    """The mask argument for ``mx.fast.scaled_dot_product_attention``: None, "causal" or an array."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    if offset is not None and offset == t_k - t_q:
+        offset = None
+    if not causal:
+        return mask
+    if mask is None and offset is None:
+        return "causal" if t_q > 1 else None
+    cm = causal_mask(t_q, t_k, offset)
+    if mask is None:
+        return cm
+    if mask.dtype == mx.bool_:
+        return mx.logical_and(mask, cm)
+    return mx.where(cm, mask.astype(q.dtype), mx.array(-mx.inf, q.dtype))
+
+
+def attention_reference(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None):
+    """Attention through ``mx.fast.scaled_dot_product_attention`` (differentiable; GQA without tiling)."""
+    _check(q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    m = _combined_mask(q, k, causal, mask, offset)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=float(scale), mask=m)
+
+
+def attention_naive(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None):
+    """The same computation spelled out: ``softmax(q k^T * scale + mask) v`` in float32 (tiles k/v for GQA)."""
+    _check(q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = mx.repeat(k, rep, axis=1)
+        v = mx.repeat(v, rep, axis=1)
+    s = (q.astype(mx.float32) * scale) @ k.astype(mx.float32).swapaxes(-1, -2)
+    if mask is not None:
+        s = mx.where(mask, s, -mx.inf) if mask.dtype == mx.bool_ else s + mask.astype(mx.float32)
+    if causal:
+        s = mx.where(causal_mask(q.shape[2], k.shape[2], offset), s, -mx.inf)
+    p = mx.softmax(s, axis=-1)
+    return (p @ v.astype(mx.float32)).astype(q.dtype)
+
+
+def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None, device=None):
+    """Multi-head scaled dot-product attention ``softmax(q k^T * scale [+ mask]) v``.
+
+    Args:
+        q: queries ``[B, Hq, Tq, head_dim]``.
+        k, v: keys and values ``[B, Hkv, Tk, head_dim]``; ``Hq`` must be a multiple of ``Hkv``
+            (grouped-query attention: query head ``h`` reads key/value head ``h // (Hq // Hkv)``).
+        scale: multiplies the scores (default ``head_dim ** -0.5``).
+        causal: query ``i`` sees only keys at positions ``<= offset + i``.
+        mask: optional boolean (True = keep) or additive array broadcastable to ``[B, Hq, Tq, Tk]``;
+            combined with the causal mask.
+        offset: position of the first query among the keys. ``None`` (default) means ``Tk - Tq``:
+            the queries are the last ``Tq`` positions, as in KV-cache decoding. A smaller offset also
+            hides the keys after each query (e.g. unused slots of a preallocated cache).
+        device: the `Device` whose ``kernels`` selects the implementation.
+    Returns:
+        ``[B, Hq, Tq, head_dim]`` in ``q.dtype``. Differentiable in ``q``, ``k`` and ``v``.
+    """
+    device = resolve(device)
+    if device.kernels == "reference":
+        return attention_reference(q, k, v, scale, causal, mask, offset)
+    _check(q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if offset is None:
+        offset = k.shape[2] - q.shape[2]
+    from ..kernels import attention as kernel
+
+    return kernel.attention(q, k, v, float(scale), causal, mask, int(offset), device)

@@ -1,0 +1,168 @@
+"""Llama-family decoder (`LlamaForCausalLM`): RMSNorm pre-norm blocks, RoPE, GQA, SwiGLU.
+
+Parameter names equal Hugging Face's (``model.embed_tokens.weight``,
+``model.layers.<i>.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``), so
+checkpoints load with no renaming except a tied ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import init as initializers
+from ..data import Data, MTLSize
+from ..errors import MetalnnError
+from ..layers.attention import CachedLayer
+from ..layers.embedding import Embeddings
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.transformer import TransformerBlock
+from .base import CausalLM
+
+
+class UnsupportedConfigError(MetalnnError, ValueError):
+    """A config asks for an architecture or feature metalnn does not implement."""
+
+
+def rope_settings(config: dict, head_dim: int) -> dict:
+    """RoPE keyword arguments for `SelfAttention` from a Llama config.
+
+    Reads ``rope_theta`` / ``rope_scaling`` (older configs) or ``rope_parameters`` (newer ones).
+    Supports rope types ``default``, ``linear`` and ``llama3``.
+    """
+    params = dict(config.get("rope_parameters") or {})
+    params.update(config.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    rope_dims = int(head_dim * partial)
+    out = {"rope_base": theta, "rope_scale": 1.0, "rope_freqs": None, "rope_dims": rope_dims}
+    if kind == "default":
+        return out
+    if kind == "linear":
+        out["rope_scale"] = 1.0 / float(params["factor"])
+        return out
+    if kind == "llama3":
+        out["rope_freqs"] = llama3_rope_periods(rope_dims, theta, params)
+        return out
+    raise UnsupportedConfigError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def llama3_rope_periods(dims: int, base: float, params: dict):
+    """Llama 3.1's frequency scaling; returns periods (``1 / inv_freq``) for `metalnn.functional.rope`."""
+    factor = float(params["factor"])
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    old_len = float(params.get("original_max_position_embeddings", 8192))
+    inv = (1.0 / (np.float32(base) ** (np.arange(0, dims, 2, dtype=np.int64).astype(np.float32) / np.float32(dims))))
+    inv = inv.astype(np.float32)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv).astype(np.float32)
+    smooth = ((old_len / wavelen - low) / (high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    scaled = np.where(medium, smoothed, scaled).astype(np.float32)
+    return (1.0 / scaled).astype(np.float32)
+
+
+class LlamaModel(CachedLayer):
+    """Embedding, decoder blocks and final norm (``model.*`` in a checkpoint)."""
+
+    def __init__(self, vocab_size, hidden, n_layers, block_kwargs, eps, init_std=0.02):
+        super().__init__()
+        self.embed_tokens = Embeddings(vocab_size, hidden, init=initializers.Normal(init_std))
+        self.layers = [TransformerBlock(**block_kwargs) for _ in range(n_layers)]
+        self.norm = RMSNorm(eps)
+
+    def forward(self, device, data, cache=None):
+        h = self.compile_child("embed_tokens", self.embed_tokens, device, data)
+        for i, layer in enumerate(self.layers):
+            h = self.compile_child(f"layers.{i}", layer, device, h, cache[i] if cache is not None else None)
+        return self.compile_child("norm", self.norm, device, h)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Llama 2 / Llama 3 style decoder built from a Hugging Face ``LlamaConfig`` dict.
+
+    Honoured config keys: ``vocab_size``, ``hidden_size``, ``intermediate_size``,
+    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+    ``rms_norm_eps``, ``rope_theta`` / ``rope_scaling`` / ``rope_parameters`` (default, linear,
+    llama3), ``attention_bias``, ``mlp_bias``, ``hidden_act``, ``tie_word_embeddings``,
+    ``max_position_embeddings``, ``initializer_range`` (random init std of the embeddings).
+
+    Args:
+        config: the config dict (as in ``config.json``).
+        seed: seed of the random initialisation.
+    """
+
+    architecture = "LlamaForCausalLM"
+    model_type = "llama"
+
+    def __init__(self, config: dict, seed: int = 0):
+        super().__init__(config)
+        c = self.config
+        hidden = int(c["hidden_size"])
+        n_heads = int(c["num_attention_heads"])
+        n_kv = int(c.get("num_key_value_heads") or n_heads)
+        head_dim = int(c.get("head_dim") or hidden // n_heads)
+        act = c.get("hidden_act", "silu")
+        if act not in ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
+            raise UnsupportedConfigError(f"hidden_act {act!r} is not supported")
+        block = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, intermediate=int(c["intermediate_size"]),
+                     eps=float(c.get("rms_norm_eps", 1e-6)), attention_bias=bool(c.get("attention_bias", False)),
+                     mlp_bias=bool(c.get("mlp_bias", False)), activation=act, **rope_settings(c, head_dim))
+        self.tie_word_embeddings = bool(c.get("tie_word_embeddings", False))
+        self.model = LlamaModel(int(c["vocab_size"]), hidden, int(c["num_hidden_layers"]), block,
+                                float(c.get("rms_norm_eps", 1e-6)), float(c.get("initializer_range", 0.02)))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(int(c["vocab_size"]), bias=False)
+        self._materialize(seed)
+
+    @property
+    def num_layers(self):
+        return len(self.model.layers)
+
+    @property
+    def max_positions(self):
+        return None  # RoPE has no hard limit
+
+    def forward(self, device, data, cache=None):
+        ids = self._token_batch(data)
+        b, t = ids.shape
+        self._check_positions(cache, t)
+        h = self.compile_child("model", self.model, device, Data(ids), cache)
+        if self.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h.array)
+            return Data(logits, MTLSize(self.vocab_size, t, b))
+        return self.compile_child("lm_head", self.lm_head, device, h)
+
+    def rename_weight(self, name):
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        if name.endswith(".rotary_emb.inv_freq"):
+            return None
+        return name
+
+    def export_weights(self):
+        return self.named_parameters()
+
+
+def llama_config(vocab_size: int, hidden_size: int = 256, num_hidden_layers: int = 4, num_attention_heads: int = 4,
+                 num_key_value_heads: int | None = None, intermediate_size: int | None = None, **extra) -> dict:
+    """A complete Llama ``config.json`` dict (for building a model from scratch and saving it)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": int(vocab_size),
+        "hidden_size": int(hidden_size), "intermediate_size": int(intermediate_size or (8 * hidden_size) // 3),
+        "num_hidden_layers": int(num_hidden_layers), "num_attention_heads": int(num_attention_heads),
+        "num_key_value_heads": int(num_key_value_heads or num_attention_heads),
+        "head_dim": int(hidden_size) // int(num_attention_heads), "hidden_act": "silu",
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": False,
+        "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "use_cache": True,
+    }
+    cfg.update(extra)
+    return cfg
