@@ -48,8 +48,11 @@ class Layer(nn.Module):
         """Dotted name of this layer inside the model it was compiled in (class name at top level)."""
         return self._path or type(self).__name__
 
-    def compile(self, device: Device | None, data) -> Data:
-        """Wire this layer into MLX's lazy graph; returns its output `Data`."""
+    def compile(self, device: Device | None, data, **kwargs) -> Data:
+        """Wire this layer into MLX's lazy graph; returns its output `Data`.
+
+        Extra keywords (e.g. ``cache=`` for attention layers) are passed on to ``forward``.
+        """
         device = resolve(device)
         data = as_data(data)
         with mx.stream(device.stream):
@@ -59,7 +62,7 @@ class Layer(nn.Module):
                 self._built_dims = data.dims
             else:
                 self._check_dims(data.dims)
-            return self.forward(device, data)
+            return self.forward(device, data, **kwargs)
 
     def build(self, device: Device, dims: MTLSize, dtype) -> None:
         """Create parameters for inputs of ``dims``. Layers without parameters need not override."""

@@ -14,8 +14,7 @@ import mlx.core as mx
 
 from .. import functional as F
 from ..data import Data, MTLSize
-from ..device import resolve
-from ..layer import Layer, as_data
+from ..layer import Layer
 from .linear import Linear
 
 
@@ -74,15 +73,7 @@ class CachedLayer(Layer):
     """A `Layer` whose ``compile`` (and ``forward``) take an optional ``cache`` for decoding."""
 
     def compile(self, device, data, cache=None):
-        device = resolve(device)
-        data = as_data(data)
-        if not self._built:
-            self.build(device, data.dims, data.dtype)
-            self._built = True
-            self._built_dims = data.dims
-        else:
-            self._check_dims(data.dims)
-        return self.forward(device, data, cache)
+        return super().compile(device, data, cache=cache)
 
     def forward(self, device, data, cache=None):  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__}.forward")
