@@ -15,3 +15,6 @@ from .rope import rope, rope_reference
 __all__ = ["attention", "attention_naive", "attention_reference", "causal_mask",
            "rms_norm", "rms_norm_reference", "rope", "rope_reference"]
 __all__ += ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
+from .gated_delta import gated_delta_rule  # noqa: E402
+
+__all__ += ["gated_delta_rule"]

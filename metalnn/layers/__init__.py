@@ -26,3 +26,6 @@ __all__ = [
 ]
 __all__ += ["Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
             "MaxPool2D", "AvgPool2D", "GlobalAvgPool"]
+from .gated_deltanet import GatedDeltaCache, GatedDeltaNet  # noqa: E402
+
+__all__ += ["GatedDeltaCache", "GatedDeltaNet"]

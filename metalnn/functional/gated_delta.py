@@ -1,0 +1,216 @@
+"""The gated delta rule (Gated DeltaNet linear attention, as in Qwen3-Next).
+
+Conventions follow Hugging Face transformers' ``torch_recurrent_gated_delta_rule`` /
+``torch_chunk_gated_delta_rule`` (which follow flash-linear-attention):
+
+* ``q``, ``k``: ``[B, T, Hk, K]``; ``v``: ``[B, T, Hv, V]``; ``g`` (log-decay, ``<= 0``) and ``beta``:
+  ``[B, T, Hv]``; the recurrent state is ``[B, Hv, K, V]`` (K-first) and stays in float32.
+* Grouped heads: ``Hv`` must be a multiple of ``Hk``; each q/k head serves ``Hv // Hk`` consecutive
+  value heads (``repeat_interleave`` along the head axis).
+* Everything is computed in float32; ``o`` comes back in ``q``'s dtype, the final state in float32.
+* ``use_qk_l2norm_in_kernel=True`` L2-normalises q and k along the head dim
+  (``x * rsqrt(sum(x^2) + 1e-6)``); q is always multiplied by ``scale`` (default ``K ** -0.5``).
+
+Per head and token (``S`` is ``K x V``)::
+
+    S = exp(g_t) * S
+    S = S + k_t ((v_t - S^T k_t) * beta_t)^T
+    o_t = S^T q_t
+
+Implementations (``mode`` and ``device.kernels``):
+
+* ``"recurrent"``: the per-token loop above in MLX ops (cheapest for short T and decoding).
+* ``"chunk"``: the chunked WY form in MLX ops: inside chunks of ``chunk_size`` tokens everything is
+  matrix products; only the unit lower-triangular inverse and the chunk-to-chunk state pass are
+  sequential. Fast for prefill and training.
+* ``"kernel"``: the Metal kernels of ``metal_kernels/gated_delta.metal`` (forward recurrence with
+  state checkpoints, reverse-time backward kernel); needs ``device.kernels`` ``"metal"`` or
+  ``"emulate"``.
+* ``"auto"``: ``"kernel"`` on ``"metal"``/``"emulate"`` devices; on ``"reference"`` devices
+  ``"recurrent"`` for ``T < 16`` and ``"chunk"`` otherwise.
+
+Every path is differentiable (MLX autodiff for the reference forms, a custom VJP for the kernels)
+in ``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..device import resolve
+
+__all__ = ["gated_delta_rule", "gated_delta_recurrent", "gated_delta_chunk", "l2norm"]
+
+MODES = ("auto", "recurrent", "chunk", "kernel")
+_RECURRENT_BELOW = 16
+
+
+def l2norm(x, axis: int = -1, eps: float = 1e-6):
+    """``x * rsqrt(sum(x^2, axis) + eps)`` (fla's and transformers' ``l2norm``)."""
+    return x * mx.rsqrt((x * x).sum(axis=axis, keepdims=True) + eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# argument handling
+# ----------------------------------------------------------------------------------------------
+def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, scale):
+    """Check shapes; return float32 ``q, k, v, g, beta, h0`` with q/k heads repeated to ``Hv``."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"gated_delta_rule: q, k, v must be 4-D [B, T, H, D], got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, Hk, K = k.shape
+    if tuple(q.shape) != (B, T, Hk, K):
+        raise ValueError(f"gated_delta_rule: q must have k's shape {(B, T, Hk, K)}, got {tuple(q.shape)}")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"gated_delta_rule: v must be [B={B}, T={T}, Hv, V], got {tuple(v.shape)}")
+    Hv, V = v.shape[2], v.shape[3]
+    if Hv % Hk:
+        raise ValueError(f"gated_delta_rule: value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    for name, a in (("g", g), ("beta", beta)):
+        if tuple(a.shape) != (B, T, Hv):
+            raise ValueError(f"gated_delta_rule: {name} must have shape {(B, T, Hv)}, got {tuple(a.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, Hv, K, V):
+        raise ValueError(f"gated_delta_rule: initial_state must have shape {(B, Hv, K, V)}, "
+                         f"got {tuple(initial_state.shape)}")
+    f32 = mx.float32
+    q, k, v, g, beta = (a.astype(f32) for a in (q, k, v, g, beta))
+    if Hv != Hk:
+        q = mx.repeat(q, Hv // Hk, axis=2)
+        k = mx.repeat(k, Hv // Hk, axis=2)
+    if use_qk_l2norm_in_kernel:
+        q = l2norm(q)
+        k = l2norm(k)
+    q = q * (K ** -0.5 if scale is None else float(scale))
+    h0 = mx.zeros((B, Hv, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    return q, k, v, g, beta, h0
+
+
+# ----------------------------------------------------------------------------------------------
+# reference forms (MLX ops, autodiff), on prepared float32 inputs in [B, T, H, D] layout
+# ----------------------------------------------------------------------------------------------
+def gated_delta_recurrent(q, k, v, g, beta, h0):
+    """The per-token recurrence on prepared inputs (q already scaled). Returns ``(o, state)``."""
+    T = q.shape[1]
+    S = h0
+    outs = []
+    for t in range(T):
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]                       # [B, H, K|V]
+        S = S * mx.exp(g[:, t])[..., None, None]
+        kv = (k_t[..., None, :] @ S)[..., 0, :]                          # S^T k  [B, H, V]
+        delta = (v_t - kv) * beta[:, t][..., None]
+        S = S + k_t[..., :, None] * delta[..., None, :]
+        outs.append((q_t[..., None, :] @ S)[..., 0, :])
+    o = mx.stack(outs, axis=1) if outs else mx.zeros(v.shape, mx.float32)
+    return o, S
+
+
+@mx.custom_function
+def _unit_lower_inverse(n):
+    """``(I + n)^-1`` for strictly lower-triangular ``n`` (``[..., C, C]``)."""
+    eye = mx.eye(n.shape[-1], dtype=n.dtype)
+    return mx.linalg.tri_inv(eye + n, upper=False, stream=mx.cpu)
+
+
+@_unit_lower_inverse.vjp
+def _unit_lower_inverse_vjp(primals, cotangent, output):
+    # d(A^-1) = -A^-1 dA A^-1  =>  dN = -A^-T dX A^-T, restricted to the strictly lower triangle.
+    a_inv = output
+    a_t = mx.swapaxes(a_inv, -1, -2)
+    return mx.tril(-(a_t @ cotangent @ a_t), -1)
+
+
+def gated_delta_chunk(q, k, v, g, beta, h0, chunk_size: int = 64):
+    """The chunked (WY) form on prepared inputs (q already scaled). Returns ``(o, state)``.
+
+    Same algorithm as transformers' ``torch_chunk_gated_delta_rule``: T is zero-padded to a multiple
+    of ``chunk_size`` (padded tokens have ``g = beta = 0`` and ``k = 0``, so they leave the state as is).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = int(chunk_size)
+    if C <= 0:
+        raise ValueError(f"gated_delta_rule: chunk_size must be positive, got {chunk_size}")
+    if T == 0:
+        return mx.zeros(v.shape, mx.float32), h0
+    # [B, T, H, D] -> [B, H, T, D]
+    q, k, v = (mx.swapaxes(a, 1, 2) for a in (q, k, v))
+    g, beta = (mx.swapaxes(a, 1, 2) for a in (g, beta))
+    pad = (-T) % C
+    if pad:
+        q, k, v = (mx.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]) for a in (q, k, v))
+        g, beta = (mx.pad(a, [(0, 0), (0, 0), (0, pad)]) for a in (g, beta))
+    n = (T + pad) // C
+    q, k, v = (a.reshape(B, H, n, C, a.shape[-1]) for a in (q, k, v))
+    g, beta = (a.reshape(B, H, n, C) for a in (g, beta))
+
+    gamma = mx.cumsum(g, axis=-1)                                         # [B, H, n, C]
+    causal = mx.tril(mx.ones((C, C), dtype=mx.bool_))
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    decay = mx.exp(mx.where(causal, diff, -mx.inf))                      # exp(gamma_i - gamma_j), i >= j
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    kt = mx.swapaxes(k, -1, -2)
+    a_inv = _unit_lower_inverse(mx.tril((k_beta @ kt) * decay, -1))
+    u = a_inv @ v_beta                                                    # [B, H, n, C, V]
+    w = a_inv @ (k_beta * mx.exp(gamma)[..., None])                       # [B, H, n, C, K]
+    attn = (q @ kt) * decay                                               # [B, H, n, C, C]
+    qg = q * mx.exp(gamma)[..., None]
+    last = gamma[..., -1:]
+    kg = k * mx.exp(last - gamma)[..., None]
+    chunk_decay = mx.exp(last)[..., None]                                 # [B, H, n, 1, 1]
+
+    S = h0
+    outs = []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ S
+        outs.append(qg[:, :, i] @ S + attn[:, :, i] @ v_new)
+        S = S * chunk_decay[:, :, i] + mx.swapaxes(kg[:, :, i], -1, -2) @ v_new
+    o = mx.stack(outs, axis=2).reshape(B, H, n * C, V)[:, :, :T]
+    return mx.swapaxes(o, 1, 2), S
+
+
+# ----------------------------------------------------------------------------------------------
+# public op
+# ----------------------------------------------------------------------------------------------
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state: bool = True, chunk_size: int = 64,
+                     mode: str = "auto", device=None, use_qk_l2norm_in_kernel: bool = False, scale=None):
+    """Gated delta rule over a sequence; returns ``(o, final_state)``.
+
+    Args:
+        q, k: ``[B, T, Hk, K]``.
+        v: ``[B, T, Hv, V]`` (``Hv`` a multiple of ``Hk``: grouped heads).
+        g: ``[B, T, Hv]`` log-decay (``<= 0``): the state is multiplied by ``exp(g_t)`` at step t.
+        beta: ``[B, T, Hv]`` write strength (usually ``sigmoid(b)``).
+        initial_state: ``[B, Hv, K, V]`` or None (zeros).
+        output_final_state: return the final state (``[B, Hv, K, V]``, float32), else None.
+        chunk_size: chunk length of the ``"chunk"`` form.
+        mode: ``"auto"``, ``"recurrent"``, ``"chunk"`` or ``"kernel"`` (see the module docstring).
+        device: a `metalnn.Device` (default: the default device).
+        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) before the recurrence.
+        scale: multiplier of q (default ``K ** -0.5``, as transformers always applies).
+    Returns:
+        ``o`` ``[B, T, Hv, V]`` in ``q.dtype``, and the final state or None.
+    """
+    if mode not in MODES:
+        raise ValueError(f"gated_delta_rule: mode must be one of {MODES}, got {mode!r}")
+    device = resolve(device)
+    out_dtype = q.dtype
+    qf, kf, vf, gf, bf, h0 = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, scale)
+    T = qf.shape[1]
+    if mode == "auto":
+        if device.kernels in ("metal", "emulate"):
+            mode = "kernel"
+        else:
+            mode = "recurrent" if T < _RECURRENT_BELOW else "chunk"
+    if mode == "kernel":
+        if device.kernels not in ("metal", "emulate"):
+            raise ValueError(f"gated_delta_rule: mode='kernel' needs a device with kernels 'metal' or 'emulate', "
+                             f"got {device.kernels!r}")
+        from ..kernels import gated_delta as kernel
+
+        o, state = kernel.gated_delta(qf, kf, vf, gf, bf, h0, device)
+    elif mode == "chunk":
+        o, state = gated_delta_chunk(qf, kf, vf, gf, bf, h0, chunk_size)
+    else:
+        o, state = gated_delta_recurrent(qf, kf, vf, gf, bf, h0)
+    return o.astype(out_dtype), (state if output_final_state else None)

@@ -1,0 +1,177 @@
+"""`GatedDeltaNet`: Qwen3-Next's linear-attention block (gated delta rule), with a decoding cache.
+
+Input and output ``Data`` dims are ``(W=hidden, H=positions, D=batch)``. Parameters carry the
+Hugging Face names of ``Qwen3NextGatedDeltaNet``, so its weights load by name:
+
+* ``in_proj_qkvz.weight`` ``[2*Hk*Dk + 2*Hv*Dv, W]`` and ``in_proj_ba.weight`` ``[2*Hv, W]``, laid out
+  per key-head group as transformers' ``fix_query_key_value_ordering`` reads them;
+* ``conv1d.weight`` ``[C, 1, kernel]`` (causal depthwise convolution over q, k, v, ``C = 2*Hk*Dk + Hv*Dv``,
+  no bias) followed by SiLU;
+* ``A_log`` and ``dt_bias`` ``[Hv]``: ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``;
+* ``norm.weight`` ``[Dv]``: gated RMSNorm ``rms_norm(o) * weight * silu(z)`` per value head;
+* ``out_proj.weight`` ``[W, Hv*Dv]``.
+
+q and k are L2-normalised inside the recurrence and q is scaled by ``Dk ** -0.5``
+(`metalnn.functional.gated_delta_rule` with ``use_qk_l2norm_in_kernel=True``).
+
+For decoding pass a `GatedDeltaCache` to ``compile(device, data, cache=...)``: it keeps the last
+``kernel - 1`` convolution inputs and the recurrent state ``[B, Hv, Dk, Dv]``, so each new token
+costs one step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .. import functional as F
+from ..data import Data, MTLSize
+from .attention import CachedLayer
+from .linear import Linear
+
+
+class GatedDeltaCache:
+    """Decoding state of one `GatedDeltaNet`: convolution tail and recurrent state."""
+
+    def __init__(self):
+        self.conv_state = None        # [B, kernel - 1, C]: the last conv inputs
+        self.recurrent_state = None   # [B, Hv, Dk, Dv], float32
+        self.offset = 0
+
+    def reset(self):
+        self.conv_state = self.recurrent_state = None
+        self.offset = 0
+
+    @property
+    def state(self):
+        return [s for s in (self.conv_state, self.recurrent_state) if s is not None]
+
+    def __repr__(self):
+        return f"GatedDeltaCache(offset={self.offset})"
+
+
+def _silu(x):
+    return x * mx.sigmoid(x)
+
+
+def _softplus(x):
+    return mx.logaddexp(x, mx.zeros_like(x))
+
+
+class GatedDeltaNet(CachedLayer):
+    """Qwen3-Next's gated delta-rule linear attention block.
+
+    Args:
+        n_k_heads: query/key heads (``linear_num_key_heads``).
+        n_v_heads: value heads (``linear_num_value_heads``, a multiple of ``n_k_heads``; default the same).
+        head_k_dim: query/key head width (``linear_key_head_dim``).
+        head_v_dim: value head width (``linear_value_head_dim``, default ``head_k_dim``).
+        conv_kernel: width of the causal depthwise convolution (``linear_conv_kernel_dim``).
+        eps: epsilon of the gated RMSNorm (``rms_norm_eps``).
+        chunk_size, mode: passed to `metalnn.functional.gated_delta_rule`.
+        init: initializer of the projections (default Xavier normal).
+    """
+
+    fixed_axes = ("W",)
+
+    def __init__(self, n_k_heads: int, n_v_heads: int | None = None, head_k_dim: int = 128,
+                 head_v_dim: int | None = None, conv_kernel: int = 4, eps: float = 1e-6, chunk_size: int = 64,
+                 mode: str = "auto", init="xavier_normal"):
+        super().__init__()
+        self.n_k_heads = int(n_k_heads)
+        self.n_v_heads = int(n_v_heads or n_k_heads)
+        if self.n_k_heads <= 0 or self.n_v_heads % self.n_k_heads:
+            raise ValueError(f"GatedDeltaNet: n_v_heads ({n_v_heads}) must be a positive multiple of n_k_heads "
+                             f"({n_k_heads})")
+        self.head_k_dim = int(head_k_dim)
+        self.head_v_dim = int(head_v_dim or head_k_dim)
+        self.conv_kernel = int(conv_kernel)
+        self.eps = float(eps)
+        self.chunk_size = int(chunk_size)
+        self.mode = mode
+        self._init = init
+
+    @property
+    def key_dim(self):
+        return self.n_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self):
+        return self.n_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self):
+        return 2 * self.key_dim + self.value_dim
+
+    def build(self, device, dims, dtype):
+        if "in_proj_qkvz" in self:
+            return
+        dtype = dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
+        self.in_proj_qkvz = Linear(2 * self.key_dim + 2 * self.value_dim, bias=False, init=self._init)
+        self.in_proj_ba = Linear(2 * self.n_v_heads, bias=False, init=self._init)
+        self.out_proj = Linear(dims.W, bias=False, init=self._init)
+        bound = 1.0 / math.sqrt(self.conv_kernel)  # PyTorch's Conv1d default (fan_in = kernel for depthwise)
+        self.conv1d = {"weight": mx.random.uniform(-bound, bound, (self.conv_dim, 1, self.conv_kernel),
+                                                   key=device.next_key()).astype(dtype)}
+        self.dt_bias = mx.ones((self.n_v_heads,), dtype)
+        self.A_log = mx.log(mx.random.uniform(0.01, 16.0, (self.n_v_heads,), key=device.next_key())).astype(dtype)
+        self.norm = {"weight": mx.ones((self.head_v_dim,), dtype)}
+
+    def _conv(self, x, cache):
+        """Causal depthwise conv + SiLU over ``x`` ``[B, T, C]``; updates the cache's conv tail."""
+        B, T, C = x.shape
+        kw = self.conv_kernel
+        w = self.conv1d["weight"][:, 0, :].astype(x.dtype)                # [C, kw]
+        if cache is not None and cache.conv_state is not None:
+            prev = cache.conv_state.astype(x.dtype)
+        else:
+            prev = mx.zeros((B, kw - 1, C), x.dtype)
+        xp = mx.concatenate([prev, x], axis=1)                              # [B, kw - 1 + T, C]
+        y = xp[:, 0:T] * w[:, 0]
+        for i in range(1, kw):
+            y = y + xp[:, i:i + T] * w[:, i]
+        if cache is not None:
+            cache.conv_state = xp[:, xp.shape[1] - (kw - 1):]
+        return _silu(y)
+
+    def forward(self, device, data, cache=None):
+        d = data.dims
+        B, T = d.D, d.H
+        hk, hv, dk, dv = self.n_k_heads, self.n_v_heads, self.head_k_dim, self.head_v_dim
+        r = hv // hk
+        qkvz = self.compile_child("in_proj_qkvz", self.in_proj_qkvz, device, data).array
+        ba = self.compile_child("in_proj_ba", self.in_proj_ba, device, data).array
+        # Per key-head group: [q (dk), k (dk), v (r*dv), z (r*dv)] and [b (r), a (r)].
+        qkvz = qkvz.reshape(B, T, hk, 2 * dk + 2 * r * dv)
+        q = qkvz[..., :dk]
+        k = qkvz[..., dk:2 * dk]
+        v = qkvz[..., 2 * dk:2 * dk + r * dv]
+        z = qkvz[..., 2 * dk + r * dv:].reshape(B, T, hv, dv)
+        ba = ba.reshape(B, T, hk, 2 * r)
+        b = ba[..., :r].reshape(B, T, hv)
+        a = ba[..., r:].reshape(B, T, hv)
+
+        mixed = mx.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+        mixed = self._conv(mixed, cache)
+        q = mixed[..., :self.key_dim].reshape(B, T, hk, dk)
+        k = mixed[..., self.key_dim:2 * self.key_dim].reshape(B, T, hk, dk)
+        v = mixed[..., 2 * self.key_dim:].reshape(B, T, hv, dv)
+
+        beta = mx.sigmoid(b)
+        g = -mx.exp(self.A_log.astype(mx.float32)) * _softplus(a.astype(mx.float32) + self.dt_bias)
+        h0 = cache.recurrent_state if cache is not None else None
+        o, state = F.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=cache is not None,
+                                      chunk_size=self.chunk_size, mode=self.mode, device=device,
+                                      use_qk_l2norm_in_kernel=True)
+        if cache is not None:
+            cache.recurrent_state = state
+            cache.offset += T
+        o = F.rms_norm(o, self.norm["weight"], self.eps, device=device)
+        o = (o.astype(mx.float32) * _silu(z.astype(mx.float32))).astype(o.dtype)
+        o = Data(o.reshape(B, T, self.value_dim), MTLSize(self.value_dim, T, B))
+        return self.compile_child("out_proj", self.out_proj, device, o)
+
+    def _extra_repr(self):
+        return (f"n_k_heads={self.n_k_heads}, n_v_heads={self.n_v_heads}, head_k_dim={self.head_k_dim}, "
+                f"head_v_dim={self.head_v_dim}, conv_kernel={self.conv_kernel}")
