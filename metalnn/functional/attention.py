@@ -6,6 +6,7 @@ import math
 
 import mlx.core as mx
 
+from .. import fastmath
 from ..device import resolve
 
 
@@ -58,7 +59,29 @@ def attention_reference(q, k, v, scale: float | None = None, causal: bool = True
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     m = _combined_mask(q, k, causal, mask, offset)
+    if fastmath.available() and q.dtype == mx.float32 and not isinstance(m, mx.array):
+        return _attention_fastmath(q, k, v, float(scale), m == "causal")
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=float(scale), mask=m)
+
+
+def _attention_fastmath(q, k, v, scale, causal):
+    """Reference attention on the CPU with the vectorised softmax of `metalnn.fastmath`.
+
+    MLX's CPU softmax evaluates ``exp`` one element at a time; this spells attention out as two
+    matrix products around the fast softmax. GQA without copies: query heads are grouped as
+    ``[B, Hkv, rep*Tq, D]`` against ``[B, Hkv, Tk, D]``.
+    """
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    qg = q.reshape(B, Hkv, rep * Tq, D)
+    s = (qg * scale) @ k.swapaxes(-1, -2)
+    if causal:
+        allowed = mx.arange(Tk)[None, :] <= (mx.arange(Tq)[:, None] + (Tk - Tq))
+        bias = mx.where(allowed, 0.0, -mx.inf).astype(s.dtype)
+        s = (s.reshape(B, Hkv, rep, Tq, Tk) + bias).reshape(B, Hkv, rep * Tq, Tk)
+    p = fastmath.softmax(s, axis=-1)
+    return (p @ v).reshape(B, Hq, Tq, v.shape[-1])
 
 
 def attention_naive(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None):

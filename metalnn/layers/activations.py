@@ -6,6 +6,8 @@ import math
 
 import mlx.core as mx
 
+from .. import fastmath
+
 from ..data import Data
 from ..layer import Layer
 
@@ -40,7 +42,7 @@ class SiLU(_Elementwise):
     """``x * sigmoid(x)`` (Swish)."""
 
     def fn(self, x):
-        return x * mx.sigmoid(x)
+        return fastmath.silu(x)
 
 
 class GELU(_Elementwise):
@@ -63,18 +65,18 @@ class GELU(_Elementwise):
 
 def gelu(x, approximate="tanh"):
     if approximate == "tanh":
-        return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+        return fastmath.gelu_tanh(x)
     return 0.5 * x * (1 + mx.erf(x / math.sqrt(2)))
 
 
 class Tanh(_Elementwise):
     def fn(self, x):
-        return mx.tanh(x)
+        return fastmath.tanh(x)
 
 
 class Sigmoid(_Elementwise):
     def fn(self, x):
-        return mx.sigmoid(x)
+        return fastmath.sigmoid(x)
 
 
 ACTIVATIONS = {

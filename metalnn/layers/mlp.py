@@ -7,6 +7,7 @@ import math
 
 import mlx.core as mx
 
+from .. import fastmath
 from .. import init as initializers
 from ..data import Data
 from ..layer import Layer
@@ -26,9 +27,9 @@ def _act(name, x):
     if name in ("gelu_tanh", "gelu_new", "gelu_pytorch_tanh"):
         return gelu(x, "tanh")
     if name in ("silu", "swish", "swiglu"):
-        return x * mx.sigmoid(x)
+        return fastmath.silu(x)
     if name in ("glu", "sigmoid"):
-        return mx.sigmoid(x)
+        return fastmath.sigmoid(x)
     raise ValueError(f"unknown activation {name!r}")
 
 

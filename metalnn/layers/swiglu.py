@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import fastmath
 from ..data import Data
 from ..layer import Layer
 from .linear import Linear
@@ -31,5 +32,5 @@ class SwiGLU(Layer):
     def forward(self, device, data):
         a = self.compile_child("w1", self.w1, device, data).array
         b = self.compile_child("w2", self.w2, device, data).array
-        h = Data(a * mx.sigmoid(a) * b, data.dims._replace(W=self.hidden))
+        h = Data(fastmath.silu(a) * b, data.dims._replace(W=self.hidden))
         return self.compile_child("w3", self.w3, device, h)
