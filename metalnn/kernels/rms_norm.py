@@ -40,9 +40,8 @@ def rms_norm(x, weight, eps, device):
         dx, rstd = run(FAMILY, "rms_norm_backward_dx", backend, [x2, w, dy, eps, D],
                        [x2.shape, (rows,)], [x.dtype, mx.float32], grid=(rows * tg, 1, 1), threadgroup=(tg, 1, 1),
                        template=[("T", x.dtype), ("WT", w.dtype)], emulator_options=opts)
-        tg_w = min(256, max(32, -(-D // 32) * 32))
         (dw,) = run(FAMILY, "rms_norm_backward_dw", backend, [x2, dy, rstd, rows, D], [(D,)], [w.dtype],
-                    grid=(D, 1, 1), threadgroup=(tg_w, 1, 1), template=[("T", x.dtype), ("WT", w.dtype)],
+                    grid=(D, 1, 1), threadgroup=(tg, 1, 1), template=[("T", x.dtype), ("WT", w.dtype)],
                     emulator_options=opts)
         return dx.reshape(x.shape), dw
 
