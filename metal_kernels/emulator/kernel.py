@@ -58,8 +58,7 @@ def float32_to_bf16_bits(a) -> np.ndarray:
     u = a.view(np.uint32).astype(np.uint64)
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     out = rounded.astype(np.uint16)
-    nan = np.isnan(a)
-    out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    out[np.isnan(a)] = 0x7FC0  # every NaN becomes the quiet NaN 0x7FC0, as MLX converts
     return out
 
 
@@ -196,7 +195,7 @@ class MetalKernel:
         cpp = self._cpp(fname, text, params, targs)
         try:
             lib = _compiler.build(cpp)
-        except _compiler.CompileError as e:
+        except (_compiler.CompileError, _compiler.CompilerNotFound) as e:
             raise EmulatorError(f"kernel '{self.name}': {e}") from None
 
         outs = []

@@ -8,8 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include <type_traits>
-#include <utility>
+#include "mtl_traits.h"
 
 #include "mtl_abi.h"
 
@@ -22,6 +21,34 @@ typedef _Float16 half;
 typedef __bf16 bfloat;
 typedef half float16_t;
 typedef bfloat bfloat16_t;
+
+// float -> bfloat conversion, round to nearest even, NaN kept NaN (quiet, 0x7FC0 as MLX
+// writes it). clang lowers `(__bf16)x` to a call of this compiler-runtime helper, which some
+// clang distributions (ziglang's) do not ship: defining it here makes every clang work, and
+// pins the rounding to MLX's CPU conversion (mlx/types/bf16.h) bit for bit. bfloat -> float
+// is a 16-bit shift that clang emits inline. Weak and hidden: one per kernel library.
+extern "C" __attribute__((weak, visibility("hidden"))) bfloat __truncsfbf2(float f) {
+  uint32_t u = __builtin_bit_cast(uint32_t, f);
+  uint16_t r = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u
+                                               : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  // opaque to the optimizer, which would otherwise turn the bit cast back into a float->bfloat
+  // conversion, that is, a call of this very function
+  __asm__("" : "+r"(r));
+  return __builtin_bit_cast(bfloat, r);
+}
+// double -> bfloat (only constant expressions reach it: Metal has no double). Round to odd
+// into float first, so that the second rounding is exact.
+extern "C" __attribute__((weak, visibility("hidden"))) bfloat __truncdfbf2(double d) {
+  float f = (float)d;
+  if ((double)f != d && f == f) {
+    uint32_t u = __builtin_bit_cast(uint32_t, f);
+    bool away = __builtin_fabs((double)f) > __builtin_fabs(d);
+    if (away) u -= 1;  // toward zero (same sign, smaller magnitude)
+    u |= 1u;           // sticky: inexact
+    f = __builtin_bit_cast(float, u);
+  }
+  return __truncsfbf2(f);
+}
 
 // ---------------------------------------------------------------- vector types
 #define MTL_VEC(T, NAME)                                       \
@@ -52,7 +79,7 @@ using vec = T __attribute__((ext_vector_type(N)));
 
 // ---------------------------------------------------------------- internals
 namespace mtl {
-using std::enable_if_t;
+using mtl_std::enable_if_t;
 
 template <class T>
 struct vinfo {
@@ -67,14 +94,14 @@ struct vinfo<T __attribute__((ext_vector_type(N)))> {
   static constexpr bool is_vec = true;
 };
 template <class T>
-using elem_t = typename vinfo<std::remove_cv_t<std::remove_reference_t<T>>>::elem;
+using elem_t = typename vinfo<mtl_std::remove_cv_t<mtl_std::remove_reference_t<T>>>::elem;
 template <class T>
-constexpr bool is_vec = vinfo<std::remove_cv_t<std::remove_reference_t<T>>>::is_vec;
+constexpr bool is_vec = vinfo<mtl_std::remove_cv_t<mtl_std::remove_reference_t<T>>>::is_vec;
 template <class E>
-constexpr bool is_fp = std::is_same_v<E, float> || std::is_same_v<E, half> ||
-                       std::is_same_v<E, bfloat> || std::is_same_v<E, double>;
+constexpr bool is_fp = mtl_std::is_same_v<E, float> || mtl_std::is_same_v<E, half> ||
+                       mtl_std::is_same_v<E, bfloat> || mtl_std::is_same_v<E, double>;
 template <class E>
-constexpr bool is_int = std::is_integral_v<E>;
+constexpr bool is_int = mtl_std::is_integral_v<E>;
 template <class T>
 constexpr bool is_arith = is_fp<elem_t<T>> || is_int<elem_t<T>>;
 
@@ -101,14 +128,14 @@ inline R to(const X& x) {
 
 template <class A, class B>
 struct common {
-  using type = std::conditional_t<
+  using type = mtl_std::conditional_t<
       is_vec<A>, A,
-      std::conditional_t<is_vec<B>, B,
-                         std::conditional_t<std::is_same_v<A, B>, A,
-                                            decltype(std::declval<A>() + std::declval<B>())>>>;
+      mtl_std::conditional_t<is_vec<B>, B,
+                         mtl_std::conditional_t<mtl_std::is_same_v<A, B>, A,
+                                            decltype(mtl_std::declval<A>() + mtl_std::declval<B>())>>>;
 };
 template <class A, class B>
-using common_t = typename common<std::decay_t<A>, std::decay_t<B>>::type;
+using common_t = typename common<mtl_std::decay_t<A>, mtl_std::decay_t<B>>::type;
 
 template <class R, class F, class... X>
 inline R mapn(F f, const X&... xs) {
@@ -149,7 +176,7 @@ inline metal::vec<E, N> mk(const A&... a) {
   } else if constexpr (sizeof...(A) == 1 && !(is_vec<A> || ...)) {
     return to<R>(a...);
   } else {
-    static_assert((vinfo<std::decay_t<A>>::n + ... + 0) == N,
+    static_assert((vinfo<mtl_std::decay_t<A>>::n + ... + 0) == N,
                   "vector constructor: wrong number of components");
     E tmp[N];
     int k = 0;
@@ -171,9 +198,9 @@ struct DevPtr {
   DevPtr(decltype(nullptr)) {}
   DevPtr(T* p_, void* lo_, void* hi_, const char* n)
       : p(p_), lo((char*)lo_), hi((char*)hi_), name(n) {}
-  template <class U, enable_if_t<std::is_convertible_v<U*, T*>, int> = 0>
+  template <class U, enable_if_t<mtl_std::is_convertible_v<U*, T*>, int> = 0>
   DevPtr(const DevPtr<U>& o) : p(o.p), lo(o.lo), hi(o.hi), name(o.name) {}
-  template <class U, enable_if_t<!std::is_convertible_v<U*, T*>, int> = 0>
+  template <class U, enable_if_t<!mtl_std::is_convertible_v<U*, T*>, int> = 0>
   explicit DevPtr(const DevPtr<U>& o) : p((T*)o.p), lo(o.lo), hi(o.hi), name(o.name) {}
   T& at(int64_t i) const {
     T* q = p + i;
@@ -181,15 +208,15 @@ struct DevPtr {
       mtl_rt_oob("device buffer", name, q, lo, hi, (int)sizeof(T));
     return *q;
   }
-  template <class I, enable_if_t<std::is_integral_v<I> || std::is_enum_v<I>, int> = 0>
+  template <class I, enable_if_t<mtl_std::is_integral_v<I> || mtl_std::is_enum_v<I>, int> = 0>
   T& operator[](I i) const { return at((int64_t)i); }
   T& operator*() const { return at(0); }
   T* operator->() const { return &at(0); }
-  template <class I, enable_if_t<std::is_integral_v<I>, int> = 0>
+  template <class I, enable_if_t<mtl_std::is_integral_v<I>, int> = 0>
   DevPtr operator+(I i) const { DevPtr r = *this; r.p += (int64_t)i; return r; }
-  template <class I, enable_if_t<std::is_integral_v<I>, int> = 0>
+  template <class I, enable_if_t<mtl_std::is_integral_v<I>, int> = 0>
   friend DevPtr operator+(I i, const DevPtr& d) { return d + i; }
-  template <class I, enable_if_t<std::is_integral_v<I>, int> = 0>
+  template <class I, enable_if_t<mtl_std::is_integral_v<I>, int> = 0>
   DevPtr operator-(I i) const { DevPtr r = *this; r.p -= (int64_t)i; return r; }
   int64_t operator-(const DevPtr& o) const { return p - o.p; }
   template <class I> DevPtr& operator+=(I i) { p += (int64_t)i; return *this; }
@@ -208,7 +235,7 @@ struct DevPtr {
 };
 
 template <class T>
-struct is_atomic_t : std::false_type {};
+struct is_atomic_t : mtl_std::false_type {};
 
 // ------------------------------------------------ checked threadgroup pointers
 template <class E>
@@ -223,9 +250,9 @@ struct TgPtr {
     if (raw) mtl_rt_tg_bounds(raw, &lo, &hi, &name);
   }
   TgPtr(E* p_, char* lo_, char* hi_, const char* n) : p(p_), lo(lo_), hi(hi_), name(n) {}
-  template <class U, enable_if_t<std::is_convertible_v<U*, E*>, int> = 0>
+  template <class U, enable_if_t<mtl_std::is_convertible_v<U*, E*>, int> = 0>
   TgPtr(const TgPtr<U>& o) : p(o.p), lo(o.lo), hi(o.hi), name(o.name) {}
-  template <class U, enable_if_t<!std::is_convertible_v<U*, E*>, int> = 0>
+  template <class U, enable_if_t<!mtl_std::is_convertible_v<U*, E*>, int> = 0>
   explicit TgPtr(const TgPtr<U>& o) : p((E*)o.p), lo(o.lo), hi(o.hi), name(o.name) {}
   E* check(int64_t i) const {
     E* q = p + i;
@@ -235,23 +262,23 @@ struct TgPtr {
   }
   decltype(auto) at(int64_t i) const {
     E* q = check(i);
-    if constexpr (std::is_array_v<E>) {
-      using R = std::remove_extent_t<E>;
+    if constexpr (mtl_std::is_array_v<E>) {
+      using R = mtl_std::remove_extent_t<E>;
       return TgPtr<R>((R*)q, lo, hi, name);
     } else {
-      if constexpr (!is_atomic_t<std::remove_cv_t<E>>::value) mtl_rt_tg_log((void*)q, (int)sizeof(E));
+      if constexpr (!is_atomic_t<mtl_std::remove_cv_t<E>>::value) mtl_rt_tg_log((void*)q, (int)sizeof(E));
       return *q;
     }
   }
-  template <class I, enable_if_t<std::is_integral_v<I> || std::is_enum_v<I>, int> = 0>
+  template <class I, enable_if_t<mtl_std::is_integral_v<I> || mtl_std::is_enum_v<I>, int> = 0>
   decltype(auto) operator[](I i) const { return at((int64_t)i); }
   decltype(auto) operator*() const { return at(0); }
   E* operator->() const { return check(0); }
-  template <class I, enable_if_t<std::is_integral_v<I>, int> = 0>
+  template <class I, enable_if_t<mtl_std::is_integral_v<I>, int> = 0>
   TgPtr operator+(I i) const { TgPtr r = *this; r.p += (int64_t)i; return r; }
-  template <class I, enable_if_t<std::is_integral_v<I>, int> = 0>
+  template <class I, enable_if_t<mtl_std::is_integral_v<I>, int> = 0>
   friend TgPtr operator+(I i, const TgPtr& d) { return d + i; }
-  template <class I, enable_if_t<std::is_integral_v<I>, int> = 0>
+  template <class I, enable_if_t<mtl_std::is_integral_v<I>, int> = 0>
   TgPtr operator-(I i) const { TgPtr r = *this; r.p -= (int64_t)i; return r; }
   int64_t operator-(const TgPtr& o) const { return p - o.p; }
   template <class I> TgPtr& operator+=(I i) { p += (int64_t)i; return *this; }
@@ -288,23 +315,23 @@ inline TgPtr<typename arr_of<T, Ds...>::type> tg_array(int id, const char* name)
 }
 
 template <class P>
-struct is_checked_ptr : std::false_type {};
+struct is_checked_ptr : mtl_std::false_type {};
 template <class T>
-struct is_checked_ptr<DevPtr<T>> : std::true_type {};
+struct is_checked_ptr<DevPtr<T>> : mtl_std::true_type {};
 template <class T>
-struct is_checked_ptr<TgPtr<T>> : std::true_type {};
+struct is_checked_ptr<TgPtr<T>> : mtl_std::true_type {};
 
 // static_cast<T>(x): vector conversions go element-wise (a C++ cast between
 // clang vectors would reinterpret the bits).
 template <class T, class X>
 inline T scast(X&& x) {
-  using XD = std::decay_t<X>;
+  using XD = mtl_std::decay_t<X>;
   if constexpr (is_vec<T> && is_vec<XD>)
     return __builtin_convertvector(x, T);
   else if constexpr (is_vec<T> && !is_vec<XD>)
     return (T)((elem_t<T>)x);
   else
-    return static_cast<T>(std::forward<X>(x));
+    return static_cast<T>(mtl_std::forward<X>(x));
 }
 template <class T, class X>
 inline T rcast(X&& x) {
@@ -356,7 +383,7 @@ using mtl::enable_if_t;
         },                                                                                 \
         x);                                                                                \
   }                                                                                        \
-  template <class T, enable_if_t<std::is_integral_v<T>, int> = 0>                          \
+  template <class T, enable_if_t<mtl_std::is_integral_v<T>, int> = 0>                          \
   inline float NAME(T x) { return NAME((float)x); }
 
 MTL_UNARY(exp, __builtin_expf(a))
@@ -539,14 +566,14 @@ inline T cross(T a, T b) {
 
 template <class T, enable_if_t<mtl::is_int<mtl::elem_t<T>>, int> = 0>
 inline T popcount(T x) {
-  return mtl::mapn<T>([](auto v) { return (decltype(v))__builtin_popcountll((uint64_t)(std::make_unsigned_t<decltype(v)>)v); }, x);
+  return mtl::mapn<T>([](auto v) { return (decltype(v))__builtin_popcountll((uint64_t)(mtl_std::make_unsigned_t<decltype(v)>)v); }, x);
 }
 template <class T, enable_if_t<mtl::is_int<mtl::elem_t<T>>, int> = 0>
 inline T clz(T x) {
   return mtl::mapn<T>(
       [](auto v) {
         using E = decltype(v);
-        using U = std::make_unsigned_t<E>;
+        using U = mtl_std::make_unsigned_t<E>;
         U u = (U)v;
         int bits = 8 * sizeof(E);
         if (!u) return (E)bits;
@@ -559,7 +586,7 @@ inline T ctz(T x) {
   return mtl::mapn<T>(
       [](auto v) {
         using E = decltype(v);
-        using U = std::make_unsigned_t<E>;
+        using U = mtl_std::make_unsigned_t<E>;
         U u = (U)v;
         if (!u) return (E)(8 * sizeof(E));
         return (E)__builtin_ctzll((uint64_t)u);
@@ -624,8 +651,8 @@ struct numeric_limits<bfloat> {
 #define MTL_INT_LIMITS(T)                                                           \
   template <>                                                                       \
   struct numeric_limits<T> {                                                        \
-    static constexpr T max() { return std::is_signed_v<T> ? (T)(((uint64_t)1 << (8 * sizeof(T) - 1)) - 1) : (T)~(T)0; } \
-    static constexpr T min() { return std::is_signed_v<T> ? (T)(-max() - 1) : (T)0; } \
+    static constexpr T max() { return mtl_std::is_signed_v<T> ? (T)(((uint64_t)1 << (8 * sizeof(T) - 1)) - 1) : (T)~(T)0; } \
+    static constexpr T min() { return mtl_std::is_signed_v<T> ? (T)(-max() - 1) : (T)0; } \
     static constexpr T lowest() { return min(); }                                   \
   };
 MTL_INT_LIMITS(char)
@@ -883,7 +910,7 @@ typedef atomic<float> atomic_float;
 
 namespace mtl {
 template <class T>
-struct is_atomic_t<metal::atomic<T>> : std::true_type {};
+struct is_atomic_t<metal::atomic<T>> : mtl_std::true_type {};
 // Fibers switch only at barriers and SIMD operations, so plain loads and
 // stores are atomic here; what matters is checking the target.
 template <class T>
@@ -909,7 +936,7 @@ namespace metal {
 template <class P, class U>
 inline void atomic_store_explicit(P obj, U v, memory_order = memory_order_relaxed) {
   auto* x = mtl::atomic_raw(obj, 0, 1);
-  *x = (std::remove_pointer_t<decltype(x)>)v;
+  *x = (mtl_std::remove_pointer_t<decltype(x)>)v;
 }
 template <class P>
 inline auto atomic_load_explicit(P obj, memory_order = memory_order_relaxed) {
@@ -945,7 +972,7 @@ inline bool atomic_compare_exchange_weak_explicit(P obj, T* expected, U desired,
                                                   memory_order = memory_order_relaxed) {
   auto* x = mtl::atomic_raw(obj, 1, 1);
   if (*x == *expected) {
-    *x = (std::remove_pointer_t<decltype(x)>)desired;
+    *x = (mtl_std::remove_pointer_t<decltype(x)>)desired;
     return true;
   }
   *expected = *x;
@@ -1005,7 +1032,7 @@ inline void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& d, P dst,
   for (int r = 0; r < Rows; ++r)
     for (int c = 0; c < Cols; ++c) {
       auto& out = transpose ? dst[(oy + c) * epr + ox + r] : dst[(oy + r) * epr + ox + c];
-      out = (std::remove_reference_t<decltype(out)>)d.m[r][c];
+      out = (mtl_std::remove_reference_t<decltype(out)>)d.m[r][c];
     }
 }
 template <class TD, class TA, class TB, class TC, int K, int M, int N>
@@ -1079,7 +1106,7 @@ struct Limits<bool> {
 template <class T, class U>
 inline auto ceildiv(T n, U m) { return (n + m - 1) / m; }
 
-template <typename IdxT, class P, class Q, enable_if_t<std::is_integral_v<IdxT>, int> = 0>
+template <typename IdxT, class P, class Q, enable_if_t<mtl_std::is_integral_v<IdxT>, int> = 0>
 inline IdxT elem_to_loc(IdxT elem, P shape, Q strides, int ndim) {
   IdxT loc = 0;
   for (int i = ndim - 1; i >= 0 && elem > 0; --i) {

@@ -14,11 +14,41 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 
-#include <algorithm>
-#include <unordered_map>
-#include <vector>
+// No C++ standard library: the runtime is linked into freestanding kernel libraries
+// (-nostdlib++), so it keeps its arrays in `Buf` (malloc'd, POD) below.
 
 namespace {
+
+// A growable array of trivially copyable T (zero-initialised state is an empty array).
+template <class T>
+struct Buf {
+  T* data;
+  size_t n, cap;
+  size_t size() const { return n; }
+  bool empty() const { return n == 0; }
+  void clear() { n = 0; }
+  T& operator[](size_t i) { return data[i]; }
+  const T& operator[](size_t i) const { return data[i]; }
+  T* begin() { return data; }
+  T* end() { return data + n; }
+  void reserve(size_t c) {
+    if (c <= cap) return;
+    size_t nc = cap ? cap : 16;
+    while (nc < c) nc *= 2;
+    T* d = (T*)realloc(data, nc * sizeof(T));
+    if (!d) abort();
+    data = d;
+    cap = nc;
+  }
+  void resize(size_t m) {
+    reserve(m);
+    n = m;
+  }
+  void push_back(const T& v) {
+    reserve(n + 1);
+    data[n++] = v;
+  }
+};
 
 constexpr int kMaxThreads = 1024;
 constexpr int64_t kTgLimit = 32768;               // Apple GPUs: 32 KiB threadgroup memory
@@ -41,7 +71,7 @@ struct Fiber {
   unsigned line, col;
   const char* op;
   mtl_thread_info info;
-  std::vector<LogEntry> log;
+  Buf<LogEntry> log;
 };
 
 struct Alloc {
@@ -81,7 +111,7 @@ void* const* g_hi;
 alignas(64) char g_arena[kArenaBytes];
 Shadow* g_shadow = nullptr;
 int64_t g_arena_used = 0, g_arena_high = 0;
-std::vector<Alloc> g_allocs;
+Buf<Alloc> g_allocs;
 int32_t g_epoch = 0;
 SimdGroup g_sg[kMaxThreads / MTL_SIMD_WIDTH];
 
@@ -210,23 +240,32 @@ void shadow_access(Fiber* f, char* addr, int size, bool write) {
 // last switch. Only this fiber ran meanwhile, so an access changed memory
 // (a write) exactly when the bytes after it differ from the bytes before it.
 void process_log(Fiber* f) {
-  std::vector<LogEntry>& log = f->log;
+  Buf<LogEntry>& log = f->log;
   if (log.empty()) return;
   size_t n = log.size();
-  std::vector<char> is_write(n, 0);
-  std::unordered_map<uintptr_t, size_t> later;  // (addr,size) -> index of next access
+  static Buf<char> is_write;
+  is_write.resize(n);
+  // open-addressing map (addr, size) -> index of the next access to the same bytes
+  static Buf<uintptr_t> keys;
+  static Buf<size_t> vals;
+  size_t slots = 16;
+  while (slots < 2 * n) slots *= 2;
+  keys.resize(slots);
+  vals.resize(slots);
+  memset(keys.data, 0, slots * sizeof(uintptr_t));
   for (size_t k = n; k-- > 0;) {
     LogEntry& e = log[k];
     if (e.size > kLogCopy) {
       is_write[k] = 1;
       continue;
     }
-    uintptr_t key = ((uintptr_t)e.addr << 7) ^ (uintptr_t)e.size;
-    auto it = later.find(key);
-    const unsigned char* after =
-        it != later.end() ? log[it->second].pre : (const unsigned char*)e.addr;
+    uintptr_t key = (((uintptr_t)e.addr << 7) ^ (uintptr_t)e.size) | 1;  // never 0 (= empty)
+    size_t h = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 17) & (slots - 1);
+    while (keys[h] && keys[h] != key) h = (h + 1) & (slots - 1);
+    const unsigned char* after = keys[h] ? log[vals[h]].pre : (const unsigned char*)e.addr;
     is_write[k] = memcmp(e.pre, after, e.size) != 0;
-    later[key] = k;
+    keys[h] = key;
+    vals[h] = k;
   }
   for (size_t k = 0; k < n && !g_failed; ++k) {
     LogEntry& e = log[k];
@@ -261,10 +300,10 @@ void on_signal(int sig, siginfo_t* si, void*) {
 
 bool ensure_memory() {
   if (!g_fibers) {
-    g_fibers = new Fiber[kMaxThreads];
+    g_fibers = (Fiber*)calloc(kMaxThreads, sizeof(Fiber));
     g_shadow = (Shadow*)calloc(kArenaBytes, sizeof(Shadow));
     g_altstack = (char*)malloc(1 << 16);
-    if (!g_shadow || !g_altstack) return false;
+    if (!g_fibers || !g_shadow || !g_altstack) return false;
   }
   if (g_stacks) return true;
   // Fiber stacks live only for one launch (see release_stacks): every kernel library has its own
@@ -292,8 +331,13 @@ uint64_t rng_next() {
   return g_rng;
 }
 
-void shuffle(std::vector<int>& v) {
-  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[rng_next() % i]);
+void shuffle(Buf<int>& v) {
+  for (size_t i = v.size(); i > 1; --i) {
+    size_t j = rng_next() % i;
+    int t = v[i - 1];
+    v[i - 1] = v[j];
+    v[j] = t;
+  }
 }
 
 const char* state_name(const Fiber& f, char* buf, size_t n) {
@@ -334,7 +378,8 @@ bool run_threadgroup(int nthreads, int order) {
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
   }
-  std::vector<int> sched(nthreads);
+  static Buf<int> sched;
+  sched.resize(nthreads);
   for (int i = 0; i < nthreads; ++i) sched[i] = order == 1 ? nthreads - 1 - i : i;
   for (;;) {
     if (order == 2) shuffle(sched);
@@ -583,7 +628,8 @@ const char* mtl_launch(void* const* bufs, void* const* lo, void* const* hi, cons
   }
   if ((uint64_t)tg[0] * tg[1] * tg[2] > kMaxThreads) return "threadgroup larger than 1024 threads";
   uint64_t total = (uint64_t)ntg[0] * ntg[1] * ntg[2];
-  std::vector<int> groups((size_t)total);
+  static Buf<int> groups;
+  groups.resize((size_t)total);
   for (uint64_t i = 0; i < total; ++i) groups[i] = (int)(order == 1 ? total - 1 - i : i);
   if (order == 2) shuffle(groups);
 
