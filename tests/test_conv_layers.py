@@ -112,16 +112,3 @@ def test_chained_convs_and_pooling_shapes(device):
     out = model.compile(device, mn.Data.from_nchw(mx.zeros((5, 3, 17, 15))))
     assert out.dims == mn.MTLSize(10, 1, 5)
     assert model.layers[3].weight.shape == (16, 8, 3, 3)
-
-
-def test_digits_demo_trains_quickly():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "digits_cnn.py"
-    spec = importlib.util.spec_from_file_location("digits_cnn", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    _, trainer, acc = mod.train(steps=80, progress=False, eval_every=40)
-    assert acc > 0.8, acc  # chance is 0.1
-    assert trainer.history["loss"][-1] < trainer.history["loss"][0]

@@ -164,51 +164,5 @@ def test_char_tokenizer_round_trip(tmp_path):
     # transformers reads the same file
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     assert fast.encode(text) == tok.encode(text)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
         mn.models.load_tokenizer(tmp_path / "missing")
-
-
-def test_char_lm_example_and_generate_script(tmp_path, capsys):
-    """The demo trains (a few steps of a tiny model), saves a folder, and generate.py streams from it."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1] / "examples"
-
-    def load(name):
-        spec = importlib.util.spec_from_file_location(name, root / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-    val, h_uni = load("char_lm").main(["--steps", "4", "--batch", "4", "--seq", "32", "--dim", "32", "--layers", "1",
-                                       "--heads", "2", "--kv-heads", "1", "--sample-every", "2",
-                                       "--sample-chars", "20", "--out", str(tmp_path), "--no-progress"])
-    assert np.isfinite(val) and 2.5 < h_uni < 3.5
-    folder = tmp_path / "model"
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
-    assert (tmp_path / "loss.png").stat().st_size > 0
-    capsys.readouterr()
-    new = load("generate").main([str(folder), "--prompt", "And God", "--max-new-tokens", "40", "--seed", "0"])
-    out = capsys.readouterr().out
-    assert len(new) == 40 and out.startswith("And God") and len(out.strip()) >= len("And God")
-
-
-def test_char_lm_learns_below_unigram_entropy(tmp_path):
-    """A short run of the demo already beats the best context-free model by a wide margin.
-
-    The unigram entropy of the text is ~3.1 nats/char; a model that has learned common character
-    sequences reaches < 2.5 within ~120 steps (the full demo gets ~1.4). 0.8x the unigram entropy
-    cannot be reached without using context.
-    """
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "char_lm.py"
-    spec = importlib.util.spec_from_file_location("char_lm_demo", path)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    val, h_uni = demo.main(["--steps", "120", "--batch", "16", "--seq", "64", "--dim", "64", "--layers", "2",
-                            "--heads", "4", "--kv-heads", "2", "--sample-every", "1000", "--sample-chars", "10",
-                            "--out", str(tmp_path), "--no-progress"])
-    assert val < 0.8 * h_uni, (val, h_uni)

@@ -62,11 +62,15 @@ def test_linear(x, device, bias):
 
 
 def test_linear_with_weights_follows_owner(x, device):
-    w = mx.array(np.random.default_rng(2).normal(size=(4, 12)).astype(np.float32))
-    layer = mn.LinearWithWeights(lambda: w)
+    owner = {"w": mx.array(np.random.default_rng(2).normal(size=(4, 12)).astype(np.float32))}
+    layer = mn.LinearWithWeights(lambda: owner["w"])
     out = layer.compile(device, mn.Data(x)).array
-    np.testing.assert_allclose(np.array(out), np.array(x) @ np.array(w).T, atol=ATOL)
+    np.testing.assert_allclose(np.array(out), np.array(x) @ np.array(owner["w"]).T, atol=ATOL)
     assert layer.for_update() == {}
+    # the owner's weight changes (as an optimizer step rebinds it): the layer uses the new one
+    owner["w"] = owner["w"] * 2 + 1
+    out = layer.compile(device, mn.Data(x)).array
+    np.testing.assert_allclose(np.array(out), np.array(x) @ np.array(owner["w"]).T, atol=ATOL)
 
 
 def test_mulrows(x, device):

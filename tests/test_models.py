@@ -6,6 +6,7 @@ on the same tokens. Tolerance 1e-4 absolute on fp32 logits (two independent fp32
 a 2-layer model whose logits are O(1)).
 """
 
+import copy
 import json
 import os
 
@@ -149,7 +150,13 @@ def test_bfloat16_load(checkpoints):
     assert all(v.dtype == mx.bfloat16 for v in model.named_parameters().values())
     tokens = _tokens(model.vocab_size, (1, 12), seed=4)
     out = np.array(model(mx.array(tokens)).astype(mx.float32))
-    np.testing.assert_allclose(out, _hf_logits(hf, tokens), atol=0.1, rtol=0)
+    # reference: transformers in float32 on the same bfloat16-rounded weights, so only metalnn's
+    # bfloat16 activations differ (8-bit mantissa: ~0.4% per rounding, over two blocks; logits ~ +-2)
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    np.testing.assert_allclose(out, _hf_logits(rounded, tokens), atol=3e-2, rtol=0)
 
 
 def test_unknown_architecture(checkpoints, tmp_path):
@@ -212,7 +219,7 @@ def test_gpt2_position_limit(checkpoints):
         model(mx.zeros((1, 129), dtype=mx.int32))
 
 
-def test_model_from_config_trains_and_names_match_hf():
+def test_model_from_config_names_match_hf_and_seed_decides_weights():
     cfg = mn.models.llama_config(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2)
     model = mn.models.from_config(cfg, seed=1)

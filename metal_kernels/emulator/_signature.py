@@ -9,8 +9,34 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# The MLX releases whose `write_signature` this module reproduces (MLX's kernel text changes between
+# minor releases: a kernel that runs here must compile on the user's MLX).
+SUPPORTED_MLX = ((0, 32),)
+
 # fewer elements than this: the input is passed in the `constant` address space
 MAX_CONSTANT_ARRAY_SIZE = 8
+
+
+def check_mlx_version(installed: str | None = None) -> None:
+    """Raise RuntimeError when the installed mlx writes kernel text this module does not reproduce.
+
+    ``installed`` defaults to the installed ``mlx`` distribution's version; no mlx installed is fine
+    (the emulator itself runs on numpy).
+    """
+    if installed is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version("mlx")
+        except PackageNotFoundError:
+            return
+    m = re.match(r"(\d+)\.(\d+)", installed)
+    if not m or (int(m.group(1)), int(m.group(2))) not in SUPPORTED_MLX:
+        want = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_MLX)
+        raise RuntimeError(
+            f"the Metal emulator writes kernel signatures as mlx {want} does, but mlx {installed} is "
+            f"installed: its kernel text may differ, so emulated results would not carry over to "
+            f"Metal. Install mlx {want} (pip install 'mlx[cpu]>=0.32.4,<0.33' on Linux)")
 
 # MLX's list, in its order (alphabetical), with the declared type
 METAL_ATTRIBUTES = [

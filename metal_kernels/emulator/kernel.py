@@ -99,6 +99,10 @@ class MetalKernel:
                  ensure_row_contiguous=True, atomic_outputs=False, lint=True):
         if not output_names:
             raise EmulatorError("[metal_kernel] Must specify at least one output.")
+        try:
+            _signature.check_mlx_version()
+        except RuntimeError as e:
+            raise EmulatorError(f"kernel '{name}': {e}") from None
         self.name = name
         self.input_names = list(input_names)
         self.output_names = list(output_names)

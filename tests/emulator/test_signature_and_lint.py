@@ -1,5 +1,7 @@
 """Generated text (against what MLX 0.32 writes) and the Metal lint. No compiler needed."""
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -107,3 +109,12 @@ def test_lint_accepts_clean_metal():
     """
     header = "inline float twice(float v) { return 2 * v; }\ninline float four(float v) { return twice(twice(v)); }\n"
     assert lint(src, header) == []
+
+
+def test_mlx_outside_the_supported_range_is_refused_with_a_clear_message():
+    from metal_kernels.emulator import _signature
+
+    _signature.check_mlx_version("0.32.4")  # the range the signatures are written for
+    for other in ("0.31.2", "0.33.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=rf"mlx {re.escape(other)} is installed"):
+            _signature.check_mlx_version(other)
