@@ -2,7 +2,8 @@
 
     python examples/digits_cnn.py [--out runs/digits_cnn] [--steps 600] [--batch 64] [--seed 0]
 
-Model (planar data, ``D = batch*channels``):
+Model (called on channels-last images ``[B, 8, 8, 1]``; inside the chain the data is planar,
+``D = batch*channels``, so the layers after the first are told their channel counts):
 Conv2D(16, 3, pad 1) -> ReLU -> MaxPool2D(2) -> Conv2D(32, 3, pad 1) -> ReLU -> MaxPool2D(2)
 -> Flatten(channels=32) -> Linear(64) -> ReLU -> Linear(10).
 
@@ -16,19 +17,19 @@ import argparse
 import sys
 from pathlib import Path
 
-import metalnn as mn  # first: binds MLX to the optimized BLAS
+import metalnn as mn
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.25):
-    """Digits as ``[N, 1, 8, 8]`` float32 in [0, 1] plus int labels; a fixed-seed train/test split."""
+    """Digits as ``[N, 8, 8, 1]`` float32 in [0, 1] plus int labels; a fixed-seed train/test split."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     ds = load_digits()
-    x = (ds.images / 16.0).astype(np.float32)[:, None]
+    x = (ds.images / 16.0).astype(np.float32)[..., None]  # channels-last [N, 8, 8, 1]
     y = ds.target.astype(np.int32)
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
     return xtr, ytr, xte, yte
@@ -36,10 +37,10 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.25):
 
 def build_model():
     return mn.Layers([
-        mn.Conv2D(16, 3, padding=1, channels=1),
+        mn.Conv2D(16, 3, padding=1),
         mn.ReLU(),
         mn.MaxPool2D(2),
-        mn.Conv2D(32, 3, padding=1, channels=16),
+        mn.Conv2D(32, 3, padding=1, in_channels=16),  # inside the chain data is planar: say the channels
         mn.ReLU(),
         mn.MaxPool2D(2),
         mn.Flatten(channels=32),
@@ -49,21 +50,15 @@ def build_model():
     ])
 
 
-def logits_of(model, x, device):
-    """``x [B, 1, 8, 8]`` -> logits ``[B, 10]``."""
-    out = model.compile(device, mn.Data.from_nchw(x))
-    return out.array.reshape(x.shape[0], -1)
-
-
 def loss_fn(model, batch, device):
     x, y = batch
-    return mn.losses.cross_entropy(logits_of(model, x, device), y)
+    return mn.losses.cross_entropy(model(x, device=device), y)  # x [B, 8, 8, 1] -> logits [B, 10]
 
 
 def evaluate(model, x, y, device) -> float:
     correct = 0
     for i in range(0, len(x), 256):
-        logits = logits_of(model, mx.array(x[i:i + 256]), device)
+        logits = model(mx.array(x[i:i + 256]), device=device)
         correct += int((mx.argmax(logits, axis=-1) == mx.array(y[i:i + 256])).sum().item())
     return correct / len(x)
 
@@ -72,10 +67,8 @@ def train(steps: int = 600, batch: int = 64, lr: float = 3e-3, seed: int = 0, ou
           eval_every: int = 100):
     """Train and return ``(model, trainer, test_accuracy)``; checkpoints go to ``out/checkpoints`` if given."""
     xtr, ytr, xte, yte = load_digits_split(seed)
-    device = mn.Device(kernels="reference", seed=seed)
-    mx.random.seed(seed)
+    device = mn.Device(seed=seed)
     model = build_model()
-    order_rng = np.random.default_rng(seed)
     epoch_len = len(xtr) // batch
     perms = {}
 
@@ -88,7 +81,6 @@ def train(steps: int = 600, batch: int = 64, lr: float = 3e-3, seed: int = 0, ou
         idx = perms[epoch][i * batch:(i + 1) * batch]
         return mx.array(xtr[idx]), mx.array(ytr[idx])
 
-    _ = order_rng
     schedule = optim.cosine_decay(lr, steps, lr * 0.05)
     trainer = mn.Trainer(
         model, optim.Adam(schedule), loss_fn, device, progress=progress,

@@ -41,7 +41,7 @@ def build_model():
 
 def loss_fn(model, batch, device):
     x, y = batch
-    return mn.losses.cross_entropy(model(x, device), y)
+    return mn.losses.cross_entropy(model(x, device=device), y)
 
 
 def train(steps=600, batch_size=64, lr=3e-3, seed=0, out=None, progress=True):
@@ -57,7 +57,7 @@ def train(steps=600, batch_size=64, lr=3e-3, seed=0, out=None, progress=True):
         return xtr[idx], ytr[idx]
 
     def evaluate(trainer):
-        logits = trainer.model(xte, trainer.device)
+        logits = trainer.model(xte, device=trainer.device)
         return {"test_loss": mn.losses.cross_entropy(logits, yte).item(),
                 "test_accuracy": mn.losses.accuracy(logits, yte).item()}
 

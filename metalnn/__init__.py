@@ -11,8 +11,8 @@ _blas.setup()
 from . import functional, init, losses  # noqa: E402
 from .data import Data, MTLSize  # noqa: E402
 from .device import Device, default_device, set_default_device  # noqa: E402
-from .errors import MetalnnError, ShapeError, TrainingDivergedError, WeightLoadError  # noqa: E402
-from .layer import Layer, Layers  # noqa: E402
+from .errors import (MetalnnError, ShapeError, TrainingDivergedError, UnsupportedConfigError,  # noqa: E402
+                     WeightLoadError)
 from .layers import *  # noqa: E402,F401,F403
 from .layers import __all__ as _layer_names  # noqa: E402
 from .trainer import Trainer  # noqa: E402
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Data", "MTLSize", "Device", "default_device", "set_default_device", "MetalnnError", "ShapeError",
-    "TrainingDivergedError", "WeightLoadError", "Layer", "Layers", "Trainer", "functional", "init", "losses",
+    "TrainingDivergedError", "UnsupportedConfigError", "WeightLoadError", "Trainer", "functional", "init", "losses",
     "load_safetensors", "open_provider", "save_safetensors", "generate", "stream_generate", "sample_logits",
     "models", *_layer_names,
 ]

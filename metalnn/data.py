@@ -3,6 +3,10 @@
 metalnn keeps the layout of the Go library it descends from: W is the fastest axis (features or
 image width), H the rows (sequence positions or image height), D the depth (batch, or batch x
 channels for planar images). ``Data.array`` always has shape ``(D, H, W)``.
+
+Plain arrays map onto it batch-first, as mlx.nn reads them: the last axis is W, the first is the
+batch D, and a middle axis (sequence positions) is H. ``[F]`` -> ``(W=F, H=1, D=1)``, ``[B, F]`` ->
+``(W=F, H=1, D=B)``, ``[B, T, F]`` -> ``(W=F, H=T, D=B)``. `Data.to_array` maps back.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ class Data:
     """An ``mx.array`` shaped ``(D, H, W)`` plus its `MTLSize`.
 
     Args:
-        array: an ``mx.array`` (or anything ``mx.array`` accepts). A 1-D array is ``(W,)``, a 2-D
-            array ``(H, W)``, a 3-D array ``(D, H, W)``.
+        array: an ``mx.array`` (or anything ``mx.array`` accepts), batch-first: ``[F]``, ``[B, F]``
+            or ``[B, T, F]`` (see the module docstring).
         dims: optional `MTLSize`; when given, the array is reshaped to ``dims.shape`` (its number of
             elements must match).
     """
@@ -51,11 +55,12 @@ class Data:
             if array.ndim == 1:
                 dims = MTLSize(array.shape[0], 1, 1)
             elif array.ndim == 2:
-                dims = MTLSize(array.shape[1], array.shape[0], 1)
+                dims = MTLSize(array.shape[1], 1, array.shape[0])
             elif array.ndim == 3:
                 dims = MTLSize(array.shape[2], array.shape[1], array.shape[0])
             else:
-                raise ValueError(f"Data: expected a 1-D, 2-D or 3-D array (or explicit dims), got shape {tuple(array.shape)}")
+                raise ValueError(f"Data: expected a 1-D, 2-D or 3-D array (or explicit dims), got shape "
+                                 f"{tuple(array.shape)}; images: Data.from_nhwc / Data.from_nchw")
         else:
             dims = MTLSize(*dims)
             if dims.length != array.size:
@@ -78,6 +83,19 @@ class Data:
     def rows(self) -> mx.array:
         """The array as a ``[D*H, W]`` matrix (one row per position)."""
         return self.array.reshape(-1, self.dims.W)
+
+    def to_array(self, ndim: int = 3) -> mx.array:
+        """The array, batch-first, with ``ndim`` axes where the dims allow it.
+
+        ``ndim=1`` gives ``[W]`` (when ``D == H == 1``), ``ndim=2`` gives ``[D, W]`` (when ``H == 1``);
+        otherwise (and for ``ndim=3``) the full ``[D, H, W]``. The inverse of ``Data(array)``.
+        """
+        d = self.dims
+        if ndim == 1 and d.D == 1 and d.H == 1:
+            return self.array.reshape(d.W)
+        if ndim == 2 and d.H == 1:
+            return self.array.reshape(d.D, d.W)
+        return self.array
 
     def reshape(self, dims) -> "Data":
         """Same elements viewed with other dims (no copy in the graph)."""

@@ -17,7 +17,9 @@ def metal_available() -> bool:
 
 
 class Device:
-    """Run settings shared by every layer compiled on it.
+    """Run settings shared by every layer compiled on it: the implementation of metalnn's custom
+    ops and the random key (dropout, sampling). Training mode is the model's (``model.train()`` /
+    ``model.eval()``, as in mlx.nn), not the device's.
 
     Args:
         kernels: ``"metal"`` (custom Metal kernels via ``mx.fast.metal_kernel``), ``"reference"``
@@ -26,13 +28,11 @@ class Device:
             environment variable ``METALNN_KERNELS`` overrides the argument.
         seed: seed of the device's random key (dropout, sampling).
         stream: an MLX device or stream to run on (default: MLX's default device).
-        training: initial value of the training flag (dropout is active only while training).
         emulator_options: extra keywords for the emulator on the ``emulate`` path, e.g.
             ``{"lane_order": "shuffled", "seed": 1}`` to shake out races.
     """
 
-    def __init__(self, kernels: str = "auto", seed: int = 0, stream=None, training: bool = False,
-                 emulator_options: dict | None = None):
+    def __init__(self, kernels: str = "auto", seed: int = 0, stream=None, emulator_options: dict | None = None):
         requested = os.environ.get("METALNN_KERNELS", "").strip().lower() or kernels
         if requested not in KERNEL_CHOICES:
             raise ValueError(f"Device: kernels must be one of {KERNEL_CHOICES}, got {requested!r}")
@@ -43,7 +43,6 @@ class Device:
                                "use 'reference' or 'emulate' here")
         self.kernels = requested
         self.stream = stream if stream is not None else mx.default_device()
-        self.training = training
         self.emulator_options = dict(emulator_options or {})
         # A list so mx.compile can track it as state (see Trainer).
         self.rng_state = [mx.random.key(seed)]
@@ -57,15 +56,8 @@ class Device:
     def seed(self, seed: int):
         self.rng_state[0] = mx.random.key(seed)
 
-    def train(self, mode: bool = True) -> "Device":
-        self.training = mode
-        return self
-
-    def eval(self) -> "Device":
-        return self.train(False)
-
     def __repr__(self):
-        return f"Device(kernels={self.kernels!r}, stream={self.stream}, training={self.training})"
+        return f"Device(kernels={self.kernels!r}, stream={self.stream})"
 
 
 _default: Device | None = None

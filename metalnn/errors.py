@@ -56,6 +56,11 @@ class WeightLoadError(MetalnnError, KeyError):
         return self.message
 
 
+class UnsupportedConfigError(MetalnnError, ValueError):
+    """A config (or checkpoint) asks for an architecture or feature metalnn does not implement; the
+    message names the field."""
+
+
 class TrainingDivergedError(MetalnnError, FloatingPointError):
     """The training loss became NaN or infinite."""
 

@@ -1,12 +1,29 @@
 """Weight initializers.
 
 Each initializer is a callable ``init(shape, fan_in, fan_out, key, dtype) -> mx.array``. Layers pass
-the fan-in/fan-out of their weight and a key drawn from the `Device`, so the same device seed gives
-the same model. Use them directly or by name (``Linear(10, init="kaiming_normal")``).
+the fan-in/fan-out of their weight and a key: one drawn from the `Device` for parameters created
+at the first compile, or ``None`` (MLX's global random state, ``mx.random.seed``) for parameters
+created at construction. Give a layer's ``init=`` as an `Initializer`, a name
+(``Linear(10, init="kaiming_normal")``) or an ``mlx.nn.init`` function (``nn.init.normal(std=0.02)``:
+it receives an array of the parameter's shape and dtype).
+
+Defaults per layer family (mlx.nn's, or PyTorch's where mlx.nn has no such layer):
+
+=====================================  ===============================================================
+family                                 default
+=====================================  ===============================================================
+Linear, attention projections, MLPs    weight and bias U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+Conv*, ConvTransposed*                 weight U(-1/sqrt(fan_in), 1/sqrt(fan_in)), bias zeros
+Embedding                              N(0, 1/dims)
+RNN, LSTM, GRU                         every weight and bias U(-1/sqrt(hidden), 1/sqrt(hidden))
+RMSNorm, LayerNorm, MulRows            ones (LayerNorm bias zeros)
+KMeans                                 N(0, 1)
+=====================================  ===============================================================
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import mlx.core as mx
@@ -88,6 +105,27 @@ class XavierUniform(Initializer):
         return mx.random.uniform(-bound, bound, shape, key=key).astype(dtype)
 
 
+class FanInUniform(Initializer):
+    """U(-b, b), b = scale / sqrt(fan_in): mlx.nn's and PyTorch's default for Linear."""
+
+    def __init__(self, scale=1.0):
+        self.scale = scale
+
+    def sample(self, shape, fan_in, fan_out, key, dtype):
+        bound = self.scale / math.sqrt(max(fan_in, 1))
+        return mx.random.uniform(-bound, bound, shape, key=key).astype(dtype)
+
+
+class Uniform(Initializer):
+    """U(low, high) regardless of fans."""
+
+    def __init__(self, low=-0.05, high=0.05):
+        self.low, self.high = low, high
+
+    def sample(self, shape, fan_in, fan_out, key, dtype):
+        return mx.random.uniform(self.low, self.high, shape, key=key).astype(dtype)
+
+
 class Normal(Initializer):
     """N(mean, std^2) regardless of fans (GPT-2 style: std 0.02)."""
 
@@ -139,6 +177,8 @@ zeros = Zeros()
 ones = Ones()
 
 _BY_NAME = {
+    "fan_in_uniform": FanInUniform,
+    "uniform": Uniform,
     "kaiming_normal": KaimingNormal,
     "kaiming_uniform": KaimingUniform,
     "xavier_normal": XavierNormal,
@@ -149,8 +189,13 @@ _BY_NAME = {
 }
 
 
-def get(init) -> Initializer:
-    """An `Initializer` from an instance, a name, or a plain callable ``f(shape, key, dtype)``."""
+def get(init, default: Initializer | None = None) -> Initializer:
+    """An `Initializer` from an instance, a name, or an ``mlx.nn.init`` function ``f(array) -> array``.
+
+    ``None`` gives ``default`` (a layer family's default).
+    """
+    if init is None and default is not None:
+        return default
     if isinstance(init, Initializer):
         return init
     if isinstance(init, str):
@@ -160,12 +205,48 @@ def get(init) -> Initializer:
             raise ValueError(f"unknown initializer {init!r}; choose from {sorted(_BY_NAME)}") from None
     if callable(init):
         return _Callable(init)
-    raise TypeError(f"initializer must be an Initializer, a name or a callable, got {type(init).__name__}")
+    raise TypeError(f"initializer must be an Initializer, a name or an mlx.nn.init function, got "
+                    f"{type(init).__name__}")
 
 
 class _Callable(Initializer):
+    """An ``mlx.nn.init``-style function: called with an array of the parameter's shape and dtype
+    (metalnn's weights use PyTorch layouts, e.g. ``[out, in]`` for Linear, ``[out, in, kh, kw]`` for
+    Conv2D); it draws from MLX's global random state."""
+
     def __init__(self, fn):
         self.fn = fn
 
     def sample(self, shape, fan_in, fan_out, key, dtype):
-        return mx.array(self.fn(shape, key=key, dtype=dtype)).astype(dtype)
+        out = self.fn(mx.zeros(shape, dtype=dtype))
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(f"initializer {getattr(self.fn, '__name__', self.fn)!r} returned shape "
+                             f"{tuple(out.shape)} for a parameter of shape {tuple(shape)}")
+        return out.astype(dtype)
+
+    def __repr__(self):
+        return f"Callable({getattr(self.fn, '__qualname__', self.fn)})"
+
+
+_seeded_keys: list = []
+
+
+def construction_key():
+    """The key for a parameter created at construction: a fresh split of the innermost `seeded`
+    block's key, or ``None`` (MLX's global random state) outside such a block."""
+    if not _seeded_keys:
+        return None
+    key, sub = mx.random.split(_seeded_keys[-1])
+    _seeded_keys[-1] = key
+    return sub
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Parameters created at construction inside the block draw from ``seed`` instead of MLX's global
+    random state (which is left untouched). For building a model reproducibly."""
+    _seeded_keys.append(mx.random.key(int(seed)))
+    try:
+        yield
+    finally:
+        _seeded_keys.pop()

@@ -1,10 +1,22 @@
 """`Layer` (base of every metalnn layer) and `Layers` (a chain of layers).
 
-A layer is an ``mlx.nn.Module``, so ``mlx.optimizers``, ``nn.value_and_grad``, ``tree_flatten`` and
-``save_weights`` work on it as on any MLX model. What metalnn adds is the builder call
-``layer.compile(device, data) -> Data``: on the first call the layer reads ``data.dims``, creates its
-parameters with its initializer, and wires its MLX operations into MLX's lazy graph; later calls
-check the dims against the first and reuse the parameters.
+A layer is an ``mlx.nn.Module``, so ``mlx.optimizers``, ``nn.value_and_grad``, ``tree_flatten``,
+``save_weights`` and ``train()`` / ``eval()`` work on it as on any MLX model. What metalnn adds is
+the builder call ``layer.compile(device, data) -> Data``: on the first call the layer reads
+``data.dims``, creates the parameters it could not create at construction (their sizes depend on
+the input) and wires its MLX operations into MLX's lazy graph; later calls check the dims against
+the first and reuse the parameters.
+
+Calling a layer on a plain array, ``layer(x)``, is the same with mlx.nn's batch-first layouts: the
+array becomes ``Data(x)`` (``[B, F]`` -> ``MTLSize(F, 1, B)``, see `metalnn.data`) and the output
+comes back with as many axes as ``x`` had, where its dims allow (`Data.to_array`). Image layers
+take and give channels-last arrays ``[N, H, W, C]`` (``[N, L, C]``, ``[N, D, H, W, C]``), as
+``mx.conv2d`` and mlx.nn do; a model whose image input ends in features (after `Flatten` or
+`GlobalAvgPool`) gives ``[N, features]``. Token embeddings add a feature axis.
+
+Randomness of initialisation: parameters whose sizes are known at construction are drawn from
+MLX's global random state (``mx.random.seed``), as mlx.nn's are; parameters created at the first
+compile are drawn from the `Device`'s key (``Device(seed=...)``), one fresh key per parameter.
 """
 
 from __future__ import annotations
@@ -22,16 +34,25 @@ def as_data(x) -> Data:
     return x if isinstance(x, Data) else Data(x)
 
 
+def no_positional(layer: str, extra: tuple, right_call: str):
+    """Raise the TypeError for positional arguments a metalnn constructor takes only as keywords."""
+    if extra:
+        raise TypeError(f"{layer}: too many positional arguments {extra!r}; metalnn takes the sizes it cannot "
+                        f"infer positionally and everything else by keyword, e.g. {right_call}")
+
+
 class Layer(nn.Module):
     """Base class of metalnn layers.
 
     Subclasses implement:
 
     * ``build(device, dims, dtype)`` (optional): create parameters from the first input's dims.
-    * ``forward(device, data) -> Data``: the computation.
+    * ``forward(device, data, **kwargs) -> Data``: the computation.
     * ``fixed_axes`` (class attribute): the axes of the input dims (``"W"``, ``"H"``, ``"D"``) that
       must stay equal to the first input's on later calls (e.g. ``("W",)`` for Linear, whose weight
       depends on the input width).
+    * ``to_data(x)`` / ``from_data(out, x)`` (optional): how a plain-array call maps its input to
+      `Data` and the output back, where the batch-first default does not fit (images, token ids).
     """
 
     fixed_axes: tuple = ()
@@ -58,8 +79,7 @@ class Layer(nn.Module):
         with mx.stream(device.stream):
             if not self._built:
                 self.build(device, data.dims, data.dtype)
-                self._built = True
-                self._built_dims = data.dims
+                self.mark_built(data.dims)
             else:
                 self._check_dims(data.dims)
             return self.forward(device, data, **kwargs)
@@ -67,28 +87,33 @@ class Layer(nn.Module):
     def build(self, device: Device, dims: MTLSize, dtype) -> None:
         """Create parameters for inputs of ``dims``. Layers without parameters need not override."""
 
-    def forward(self, device: Device, data: Data) -> Data:  # pragma: no cover - abstract
+    def mark_built(self, dims: MTLSize) -> None:
+        """Record that the parameters exist, for inputs of ``dims`` (used by eager constructors)."""
+        self._built = True
+        self._built_dims = MTLSize(*dims)
+
+    def forward(self, device: Device, data: Data, **kwargs) -> Data:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__}.forward")
 
-    def __call__(self, x, device: Device | None = None):
-        """Plain-array call: compile on ``Data(x)`` and return the output array.
-
-        When the output keeps the input's rows (``D*H`` unchanged) it comes back with the input's
-        leading shape, so ``[B, F_in]`` in gives ``[B, F_out]`` out; otherwise the output is
-        ``(D, H, W)``.
-        """
+    def __call__(self, x, *args, device: Device | None = None, **kwargs):
+        """``layer(x)``: a `Data` in gives a `Data` out (as ``compile``); a plain array in gives a
+        plain array out (mlx.nn's batch-first layouts; see the module docstring)."""
+        if args:
+            raise TypeError(f"{self._describe()}: call it as layer(x, device=..., ...); options are keywords, "
+                            f"got {len(args)} extra positional argument(s)")
         if isinstance(x, Data):
-            return self.compile(device, x).array
+            return self.compile(device, x, **kwargs)
         x = x if isinstance(x, mx.array) else mx.array(x)
-        out = self.compile(device, Data(x)).array
-        lead = tuple(x.shape[:-1]) if x.ndim > 1 else ()
-        rows = 1
-        for s in lead:
-            rows *= s
-        d = out.shape
-        if x.ndim <= 3 and d[0] * d[1] == rows:
-            return out.reshape(*lead, d[2]) if lead else out.reshape(d[2])
-        return out
+        return self.from_data(self.compile(device, self.to_data(x), **kwargs), x)
+
+    def to_data(self, x: mx.array) -> Data:
+        """The `Data` a plain-array call compiles on: batch-first ``Data(x)``."""
+        return Data(x)
+
+    def from_data(self, out: Data, x: mx.array) -> mx.array:
+        """The array a plain-array call returns: ``x``'s number of axes where the dims allow it
+        (an image input that ends in features gives ``[N, features]``)."""
+        return out.to_array(x.ndim if x.ndim <= 3 else 2)
 
     def _check_dims(self, dims: MTLSize) -> None:
         for axis in self.fixed_axes:
@@ -101,10 +126,14 @@ class Layer(nn.Module):
         name = type(self).__name__
         return f"{self._path} ({name})" if self._path else name
 
-    def compile_child(self, name: str, child: "Layer", device: Device, data) -> Data:
+    def compile_child(self, name: str, child: "Layer", device: Device, data, **kwargs) -> Data:
         """Compile a sub-layer, giving it its dotted path for error messages."""
         child._path = f"{self._path}.{name}" if self._path else name
-        return child.compile(device, data)
+        return child.compile(device, data, **kwargs)
+
+    def compile_child_array(self, name: str, child: "Layer", device: Device, x: mx.array, **kwargs) -> mx.array:
+        """Run a sub-layer on a plain array (its own ``to_data`` / ``from_data`` layouts)."""
+        return child.from_data(self.compile_child(name, child, device, child.to_data(x), **kwargs), x)
 
     def require(self, ok: bool, expected, given, detail: str = ""):
         if not ok:
@@ -151,11 +180,14 @@ class Layer(nn.Module):
 class Layers(Layer):
     """A chain of layers: the output of each is the input of the next.
 
-    Parameters are named ``layers.<i>.<name>`` (e.g. ``layers.0.weight``).
+    ``Layers(a, b, c)`` (as ``mlx.nn.Sequential``) or ``Layers([a, b, c])``; `Sequential` is the
+    same class. Parameters are named ``layers.<i>.<name>`` (e.g. ``layers.0.weight``).
     """
 
-    def __init__(self, layers):
+    def __init__(self, *layers):
         super().__init__()
+        if len(layers) == 1 and isinstance(layers[0], (list, tuple)):
+            layers = tuple(layers[0])
         self.layers = list(layers)
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, Layer):
@@ -171,6 +203,15 @@ class Layers(Layer):
             return self.layers[i]
         return super().__getitem__(i)
 
+    def to_data(self, x):
+        return self.layers[0].to_data(x) if self.layers else Data(x)
+
+    def from_data(self, out, x):
+        return self.layers[-1].from_data(out, x) if self.layers else super().from_data(out, x)
+
     def append(self, layer: Layer) -> "Layers":
         self.layers.append(layer)
         return self
+
+
+Sequential = Layers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,11 +18,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .device import Device, resolve
 from .errors import TrainingDivergedError
-from .weights import load_safetensors, save_safetensors
+from .weights import load_into, load_safetensors, save_safetensors
 
 
 class Trainer:
     """Train a metalnn model (any ``mlx.nn.Module``) with an ``mlx.optimizers`` optimizer.
+
+    Steps run in training mode (``model.train()``: dropout active), evaluations in evaluation mode;
+    `fit` and `step` give the model back in the mode it had.
 
     Args:
         model: the model.
@@ -30,14 +34,14 @@ class Trainer:
             data source yields (typically a tuple of arrays). Draw any randomness from
             ``device.next_key()`` (as `Dropout` does): the device key is checkpointed, MLX's global
             random state is not.
-        device: the `Device` (its training flag is set during steps, its key drives dropout).
+        device: the `Device` (its key drives dropout and is checkpointed).
         compile: run the step through ``mx.compile`` (default True; always off on the ``emulate``
             kernel path, whose emulated kernels run eagerly).
         clip_grad_norm: clip the global gradient norm to this value.
         checkpoint_dir: where `fit` writes checkpoints (``step_0000100/``) every ``checkpoint_every``
             steps and at the end.
         eval_fn: ``eval_fn(trainer) -> dict`` of metrics, called every ``eval_every`` steps and at the
-            end; results are kept in ``history``.
+            end (with the model in evaluation mode); results are kept in ``history``.
         progress: show a tqdm progress bar with loss and throughput.
     """
 
@@ -65,12 +69,10 @@ class Trainer:
     def _ensure_built(self, batch):
         """Create parameters (first compile) and optimizer state before tracing the step."""
         if not tree_flatten(self.model.trainable_parameters()) or not _all_built(self.model):
-            was = self.device.training
-            self.device.training = False
-            key = self.device.rng_state[0]
-            mx.eval(self.loss_fn(self.model, batch, self.device))
-            self.device.rng_state[0] = key
-            self.device.training = was
+            with _mode(self.model, training=False):
+                key = self.device.rng_state[0]
+                mx.eval(self.loss_fn(self.model, batch, self.device))
+                self.device.rng_state[0] = key
         if not self.optimizer.state or "step" not in self.optimizer.state:
             self.optimizer.init(self.model.trainable_parameters())
 
@@ -98,12 +100,9 @@ class Trainer:
             if self._pending_resume is not None:
                 self._apply_resume()
             self._step_fn = self._make_step()
-        self.device.training = True
-        try:
+        with _mode(self.model, training=True):
             loss = self._step_fn(batch)
             mx.eval(loss, self.model.parameters(), self.optimizer.state, self.device.rng_state)
-        finally:
-            self.device.training = False
         value = loss.item()
         self.step_count += 1
         if not math.isfinite(value):
@@ -162,7 +161,8 @@ class Trainer:
         return self.history
 
     def _evaluate(self, bar):
-        metrics = dict(self.eval_fn(self))
+        with _mode(self.model, training=False):
+            metrics = dict(self.eval_fn(self))
         metrics["step"] = self.step_count
         self.history["eval"].append(metrics)
         if bar is not None:
@@ -231,13 +231,23 @@ class Trainer:
 
     def _apply_resume(self):
         path, self._pending_resume = self._pending_resume, None
-        weights = load_safetensors(path / "model.safetensors")
-        self.model.load_weights(list(weights.items()), strict=True)
+        load_into(self.model, path / "model.safetensors", strict=True, cast=False)
         opt = load_safetensors(path / "optimizer.safetensors")
         self.optimizer.state = tree_unflatten(list(opt.items()))
         rng = load_safetensors(path / "rng.safetensors")
         self.device.rng_state[0] = rng["device_key"]
         mx.eval(self.model.parameters(), self.optimizer.state)
+
+
+@contextlib.contextmanager
+def _mode(model, training: bool):
+    """Run the block with ``model.train(training)``; restore the model's mode afterwards."""
+    was = model.training
+    model.train(training)
+    try:
+        yield
+    finally:
+        model.train(was)
 
 
 def _leading(batch):

@@ -142,7 +142,7 @@ def _torch_self_attention(x, p, n_heads, n_kv, hd, base):
 def test_self_attention_layer_matches_torch(n_kv, device):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 13, 32)).astype(np.float32)
-    layer = mn.SelfAttention(4, n_kv, rope_base=1000.0)
+    layer = mn.SelfAttention(4, num_kv_heads=n_kv, rope_base=1000.0)
     out = layer.compile(device, mn.Data(mx.array(x)))
     assert out.dims == mn.MTLSize(32, 13, 2)
     params = {k: torch.tensor(np.array(v)) for k, v in layer.for_update().items()}
@@ -154,7 +154,7 @@ def test_self_attention_layer_matches_torch(n_kv, device):
 def test_self_attention_kv_cache_equals_full(device):
     rng = np.random.default_rng(8)
     x = mx.array(rng.standard_normal((2, 10, 32)).astype(np.float32))
-    layer = mn.SelfAttention(4, 2, bias=True)
+    layer = mn.SelfAttention(4, num_kv_heads=2, bias=True)
     full = layer.compile(device, mn.Data(x)).array
     cache = mn.KVCache()
     parts = [layer.compile(device, mn.Data(x[:, :6]), cache=cache).array]
@@ -177,7 +177,7 @@ def test_kv_cache_grows_past_block():
 
 def test_self_attention_errors(device):
     with pytest.raises(ValueError, match="multiple"):
-        mn.SelfAttention(6, 4)
+        mn.SelfAttention(6, num_kv_heads=4)
     layer = mn.SelfAttention(5)
     with pytest.raises(mn.ShapeError, match="SelfAttention"):
         layer.compile(device, mn.Data(mx.zeros((1, 3, 32))))
@@ -192,12 +192,12 @@ def test_transformer_block_trains(device):
     rng = np.random.default_rng(9)
     x = mx.array(rng.standard_normal((4, 8, 32)).astype(np.float32))
     y = mx.array(rng.standard_normal((4, 8, 32)).astype(np.float32))
-    block = mn.TransformerBlock(4, 64, n_kv_heads=2)
+    block = mn.TransformerBlock(4, 64, num_kv_heads=2)
     block.compile(device, mn.Data(x))
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    loss_and_grad = nn.value_and_grad(block, lambda a, b: mx.mean((block(a, device) - b) ** 2))
+    loss_and_grad = nn.value_and_grad(block, lambda a, b: mx.mean((block(a, device=device) - b) ** 2))
     opt = optim.Adam(1e-2)
     first, grads = loss_and_grad(x, y)
     from mlx.utils import tree_flatten

@@ -17,7 +17,7 @@ def _copy(layer, tlayer):
 
 def test_conv2d_layer_matches_torch_and_dims(device, rng):
     x = rng.standard_normal((3, 4, 9, 7)).astype(np.float32)
-    layer = mn.Conv2D(6, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2), groups=2, channels=4)
+    layer = mn.Conv2D(6, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2), groups=2, in_channels=4)
     out = layer.compile(device, mn.Data.from_nchw(mx.array(x)))  # builds the params
     assert layer.weight.shape == (6, 2, 3, 2) and layer.bias.shape == (6,)
     ref = torch.nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2), groups=2)
@@ -30,7 +30,7 @@ def test_conv2d_layer_matches_torch_and_dims(device, rng):
 
 def test_conv_transposed2d_layer_matches_torch(device, rng):
     x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
-    layer = mn.ConvTransposed2D(4, 3, stride=2, padding=1, output_padding=1, channels=3)
+    layer = mn.ConvTransposed2D(4, 3, stride=2, padding=1, output_padding=1, in_channels=3)
     layer.compile(device, mn.Data.from_nchw(mx.array(x)))
     assert layer.weight.shape == (3, 4, 3, 3)
     ref = torch.nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1)
@@ -43,7 +43,7 @@ def test_conv_transposed2d_layer_matches_torch(device, rng):
 
 def test_conv1d_and_conv3d_layers(device, rng):
     x1 = rng.standard_normal((2, 3, 10)).astype(np.float32)
-    l1 = mn.Conv1D(5, 3, stride=2, padding=1, channels=3)
+    l1 = mn.Conv1D(5, 3, stride=2, padding=1, in_channels=3)
     d1 = mn.Data(mx.array(x1.reshape(6, 1, 10)), (10, 1, 6))
     l1.compile(device, d1)
     r1 = torch.nn.Conv1d(3, 5, 3, stride=2, padding=1)
@@ -54,7 +54,7 @@ def test_conv1d_and_conv3d_layers(device, rng):
     np.testing.assert_allclose(np.array(o1.array).reshape(y1.shape), y1, atol=1e-4, rtol=1e-4)
 
     x3 = rng.standard_normal((2, 2, 5, 6, 4)).astype(np.float32)  # N, C, depth, H, W
-    l3 = mn.Conv3D(3, 3, padding=(0, 1, 1), channels=2, depth=5)
+    l3 = mn.Conv3D(3, 3, padding=(0, 1, 1), in_channels=2, depth=5)
     d3 = mn.Data(mx.array(x3.reshape(2 * 2 * 5, 6, 4)), (4, 6, 20))
     l3.compile(device, d3)
     r3 = torch.nn.Conv3d(2, 3, 3, padding=(0, 1, 1))
@@ -68,7 +68,7 @@ def test_conv1d_and_conv3d_layers(device, rng):
 
 def test_conv_layer_gradients_match_torch(device, rng):
     x = rng.standard_normal((2, 3, 6, 5)).astype(np.float32)
-    layer = mn.Conv2D(4, 3, padding=1, channels=3)
+    layer = mn.Conv2D(4, 3, padding=1, in_channels=3)
     layer.build_for((5, 6, 6), device=device)
     ref = torch.nn.Conv2d(3, 4, 3, padding=1)
     _copy(layer, ref)
@@ -81,33 +81,40 @@ def test_conv_layer_gradients_match_torch(device, rng):
     np.testing.assert_allclose(np.array(grads["bias"]), ref.bias.grad.numpy(), atol=1e-3, rtol=1e-4)
 
 
-def test_kaiming_init_scale():
-    dev = mn.Device(kernels="reference", seed=3)
-    layer = mn.Conv2D(64, 3, channels=32)
-    layer.build_for((8, 8, 32), device=dev)
-    std = float(mx.std(layer.weight))
-    assert abs(std - np.sqrt(2.0 / (32 * 9))) < 0.01
+def test_default_init_is_mlx_nn_like():
+    """As mlx.nn.Conv2d: weight U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = in/groups * k*k, bias 0."""
+    layer = mn.Conv2D(64, 3, in_channels=32, groups=2)
+    bound = 1 / np.sqrt(16 * 9)
+    w = np.array(layer.weight)
+    # 9216 uniform draws: the extreme is within 1% of the bound, the std within 3% of bound/sqrt(3)
+    assert np.abs(w).max() <= bound + 1e-7 and np.abs(w).max() > 0.99 * bound
+    assert abs(w.std() - bound / np.sqrt(3)) < 0.03 * bound / np.sqrt(3)
     assert float(mx.abs(layer.bias).max()) == 0.0
+    # built at the first compile from the device's key: the same seed gives the same weights
+    a, b = mn.Conv2D(8, 3), mn.Conv2D(8, 3)
+    for layer in (a, b):
+        layer(mx.zeros((1, 5, 5, 4)), device=mn.Device(seed=3))
+    np.testing.assert_array_equal(np.array(a.weight), np.array(b.weight))
 
 
 def test_layer_errors_name_the_layer(device):
-    model = mn.Layers([mn.Conv2D(4, 3, channels=2), mn.ReLU(), mn.Conv2D(8, 3)])
-    with pytest.raises(ShapeError, match=r"layers\.2 \(Conv2D\).*channels="):
+    model = mn.Layers([mn.Conv2D(4, 3, in_channels=2), mn.ReLU(), mn.Conv2D(8, 3)])
+    with pytest.raises(ShapeError, match=r"layers\.2 \(Conv2D\).*in_channels="):
         model.compile(device, mn.Data(mx.zeros((4, 8, 8))))
-    bad = mn.Layers([mn.Conv2D(4, 3, channels=3)])
-    with pytest.raises(ShapeError, match=r"layers\.0 \(Conv2D\).*D divisible by channels=3"):
+    bad = mn.Layers([mn.Conv2D(4, 3, in_channels=3)])
+    with pytest.raises(ShapeError, match=r"layers\.0 \(Conv2D\).*D divisible by in_channels=3"):
         bad.compile(device, mn.Data(mx.zeros((4, 8, 8))))
-    small = mn.Layers([mn.Conv2D(4, 5, channels=1)])
+    small = mn.Layers([mn.Conv2D(4, 5, in_channels=1)])
     with pytest.raises(ShapeError, match=r"layers\.0 \(Conv2D\).*output \(-1, -1\)"):
         small.compile(device, mn.Data(mx.zeros((1, 3, 3))))
-    with pytest.raises(ValueError, match="Conv2D: filters=5 not divisible by groups=2"):
+    with pytest.raises(ValueError, match="Conv2D: out_channels=5 not divisible by groups=2"):
         mn.Conv2D(5, 3, groups=2)
 
 
 def test_chained_convs_and_pooling_shapes(device):
     model = mn.Layers([
-        mn.Conv2D(8, 3, padding=1, channels=3), mn.ReLU(), mn.MaxPool2D(2),
-        mn.Conv2D(16, 3, stride=2, channels=8), mn.ReLU(), mn.GlobalAvgPool(channels=16), mn.Linear(10),
+        mn.Conv2D(8, 3, padding=1, in_channels=3), mn.ReLU(), mn.MaxPool2D(2),
+        mn.Conv2D(16, 3, stride=2, in_channels=8), mn.ReLU(), mn.GlobalAvgPool(channels=16), mn.Linear(10),
     ])
     out = model.compile(device, mn.Data.from_nchw(mx.zeros((5, 3, 17, 15))))
     assert out.dims == mn.MTLSize(10, 1, 5)

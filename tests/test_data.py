@@ -12,11 +12,13 @@ def test_mtlsize_defaults_and_shape():
     assert mn.MTLSize(4, 3, 2).length == 24
 
 
-@pytest.mark.parametrize("shape,dims", [((7,), (7, 1, 1)), ((3, 7), (7, 3, 1)), ((2, 3, 7), (7, 3, 2))])
-def test_data_infers_dims(shape, dims):
+@pytest.mark.parametrize("shape,dims", [((7,), (7, 1, 1)), ((3, 7), (7, 1, 3)), ((2, 3, 7), (7, 3, 2))])
+def test_data_infers_dims_batch_first(shape, dims):
+    """Plain arrays are batch-first as in mlx.nn: the batch is D, the features W."""
     d = mn.Data(mx.zeros(shape))
     assert tuple(d.dims) == dims
     assert d.array.shape == (dims[2], dims[1], dims[0])
+    assert d.to_array(len(shape)).shape == shape  # and back
 
 
 def test_data_explicit_dims_reshapes_and_checks_count():

@@ -39,7 +39,8 @@ def test_digits_mlp_reaches_95_percent(tmp_path):
     fresh.build_for((64, 1, 1))
     ckpt = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text()
     fresh.load_from_provider(ckpt / "model.safetensors")
-    np.testing.assert_array_equal(np.array(fresh(xte, mn.Device())), np.array(model(xte, mn.Device())))
+    fresh.eval(), model.eval()
+    np.testing.assert_array_equal(np.array(fresh(xte)), np.array(model(xte)))
 
 
 def test_digits_cnn_trains_well_above_chance():

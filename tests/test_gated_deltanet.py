@@ -37,7 +37,8 @@ def hf_block(seed=0):
 
 
 def metalnn_block(block, device, T, B, mode="auto"):
-    layer = mn.GatedDeltaNet(HK, HV, DK, DV, conv_kernel=4, eps=1e-6, chunk_size=8, mode=mode)
+    layer = mn.GatedDeltaNet(HK, num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, conv_kernel=4, eps=1e-6, chunk_size=8,
+                             mode=mode)
     layer.build_for((HIDDEN, T, B), device=device)
     weights = {k: mx.array(v.detach().float().numpy()) for k, v in block.state_dict().items()}
     assert set(dict(tree_flatten(layer.parameters()))) == set(weights)
@@ -127,5 +128,5 @@ def test_cache_matches_transformers_final_state():
 
 
 def test_bad_head_counts_are_reported():
-    with pytest.raises(ValueError, match="multiple of n_k_heads"):
-        mn.GatedDeltaNet(2, 3, 8)
+    with pytest.raises(ValueError, match="multiple of num_k_heads"):
+        mn.GatedDeltaNet(2, num_v_heads=3, head_k_dim=8)

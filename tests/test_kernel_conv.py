@@ -145,8 +145,8 @@ def test_half_precision(dtype):
 def test_layers_run_on_the_kernels():
     x = mx.array(_rand((2, 4, 6, 5), 7))
     ref_dev, emu_dev = mn.Device(kernels="reference"), emulate()
-    for layer, out_ch in ((mn.Conv2D(6, 3, padding=1, groups=2, channels=4), 6),
-                          (mn.ConvTransposed2D(3, 3, stride=2, padding=1, output_padding=1, channels=4), 3)):
+    for layer, out_ch in ((mn.Conv2D(6, 3, padding=1, groups=2, in_channels=4), 6),
+                          (mn.ConvTransposed2D(3, 3, stride=2, padding=1, output_padding=1, in_channels=4), 3)):
         ref = layer.compile(ref_dev, mn.Data.from_nchw(x)).to_nchw(out_ch)
         got = layer.compile(emu_dev, mn.Data.from_nchw(x)).to_nchw(out_ch)
         np.testing.assert_allclose(np.array(got), np.array(ref), atol=TOL32, rtol=TOL32)

@@ -60,52 +60,53 @@ def test_recurrent_last_state_only(rng, device):
 def test_parallel_modes(rng, device):
     x = mx.array(rng.normal(size=(4, 6)).astype(np.float32))
     a, b = mn.Linear(3), mn.Linear(3)
-    cat = mn.Parallel([a, b], "concat")
+    cat = mn.Parallel([a, b], combine="concat")
     y = cat.compile(device, mn.Data(x))
-    assert tuple(y.dims) == (6, 4, 1)
-    ya, yb = a(x, device), b(x, device)
-    np.testing.assert_allclose(np.array(y.array[0]), np.concatenate([np.array(ya), np.array(yb)], -1), atol=ATOL)
-    add = mn.Parallel([a, b], "add")
-    np.testing.assert_allclose(np.array(add(x, device)), np.array(ya + yb), atol=ATOL)
-    avg = mn.Parallel([a, b], "avg")
-    np.testing.assert_allclose(np.array(avg(x, device)), np.array((ya + yb) / 2), atol=ATOL)
-    moe = mn.Parallel([a, b], "filter")
-    out = moe(x, device)
-    gate = mx.softmax(moe.gate(x, device), -1)
+    assert tuple(y.dims) == (6, 1, 4)
+    ya, yb = a(x, device=device), b(x, device=device)
+    np.testing.assert_allclose(np.array(y.array[:, 0]), np.concatenate([np.array(ya), np.array(yb)], -1),
+                               atol=ATOL)
+    add = mn.Parallel([a, b], combine="add")
+    np.testing.assert_allclose(np.array(add(x, device=device)), np.array(ya + yb), atol=ATOL)
+    avg = mn.Parallel([a, b], combine="avg")
+    np.testing.assert_allclose(np.array(avg(x, device=device)), np.array((ya + yb) / 2), atol=ATOL)
+    moe = mn.Parallel([a, b], combine="filter")
+    out = moe(x, device=device)
+    gate = mx.softmax(moe.gate(x, device=device), -1)
     np.testing.assert_allclose(np.array(out), np.array(gate[:, :1] * ya + gate[:, 1:] * yb), atol=ATOL)
     assert "gate.weight" in moe.for_update()
     with pytest.raises(mn.ShapeError, match="branch 1"):
-        mn.Parallel([mn.Linear(3), mn.Linear(4)], "add").compile(device, mn.Data(x))
+        mn.Parallel([mn.Linear(3), mn.Linear(4)], combine="add").compile(device, mn.Data(x))
     assert mn.Sequential is mn.Layers
 
 
 def test_softmax_variants(rng, device):
     x = mx.array(rng.normal(size=(5, 8)).astype(np.float32))
     xt = torch.tensor(np.array(x))
-    np.testing.assert_allclose(np.array(mn.Softmax()(x, device)), torch.softmax(xt, -1).numpy(), atol=1e-6)
-    np.testing.assert_allclose(np.array(mn.Softmax("temperature", temperature=0.5)(x, device)),
+    np.testing.assert_allclose(np.array(mn.Softmax()(x, device=device)), torch.softmax(xt, -1).numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.array(mn.Softmax("temperature", temperature=0.5)(x, device=device)),
                                torch.softmax(xt / 0.5, -1).numpy(), atol=1e-6)
-    np.testing.assert_allclose(np.array(mn.Softmax("log")(x, device)), torch.log_softmax(xt, -1).numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.array(mn.Softmax("log")(x, device=device)), torch.log_softmax(xt, -1).numpy(), atol=1e-6)
     mask = np.array([True, False] * 4)
-    p = np.array(mn.Softmax("masked", mask=mask)(x, device))
+    p = np.array(mn.Softmax("masked", mask=mask)(x, device=device))
     masked_ref = torch.softmax(xt.masked_fill(~torch.tensor(mask), float("-inf")), -1).numpy()
     np.testing.assert_allclose(p, masked_ref, atol=1e-6)
-    g = np.array(mn.Softmax("grid", groups=2)(x, device))
+    g = np.array(mn.Softmax("grid", groups=2)(x, device=device))
     np.testing.assert_allclose(g, torch.softmax(xt.view(5, 2, 4), -1).view(5, 8).numpy(), atol=1e-6)
-    sm = np.array(mn.Softmax("sparsemax")(x * 3, device))
+    sm = np.array(mn.Softmax("sparsemax")(x * 3, device=device))
     np.testing.assert_allclose(sm.sum(-1), 1, atol=1e-5)
     assert (sm == 0).any() and (sm >= 0).all()
     # sparsemax of two values (a, b): p_a = clip((1 + a - b) / 2, 0, 1)
-    two = np.array(mn.Softmax("sparsemax")(mx.array([[0.3, 0.0], [2.0, 0.0]]), device))
+    two = np.array(mn.Softmax("sparsemax")(mx.array([[0.3, 0.0], [2.0, 0.0]]), device=device))
     np.testing.assert_allclose(two, [[0.65, 0.35], [1.0, 0.0]], atol=1e-6)
     # entmax: alpha -> 1 approaches softmax, alpha = 2 equals sparsemax
     np.testing.assert_allclose(np.array(entmax(x * 3, 2.0)), sm, atol=1e-4)
     np.testing.assert_allclose(np.array(entmax(x, 1.001)), torch.softmax(xt, -1).numpy(), atol=2e-3)
     gumbel = mn.Softmax("gumbel")
-    device.eval()
-    np.testing.assert_allclose(np.array(gumbel(x, device)), torch.softmax(xt, -1).numpy(), atol=1e-6)
-    device.train()
-    assert not np.allclose(np.array(gumbel(x, device)), torch.softmax(xt, -1).numpy(), atol=1e-3)
+    gumbel.eval()
+    np.testing.assert_allclose(np.array(gumbel(x, device=device)), torch.softmax(xt, -1).numpy(), atol=1e-6)
+    gumbel.train()
+    assert not np.allclose(np.array(gumbel(x, device=device)), torch.softmax(xt, -1).numpy(), atol=1e-3)
     with pytest.raises(ValueError, match="variant must be one of"):
         mn.Softmax("nope")
 
@@ -118,7 +119,7 @@ def test_kmeans(rng, device):
     for c in centers:
         assert np.min(np.linalg.norm(found - c, axis=1)) < 0.1
     p = km.compile(device, mn.Data(mx.array(pts)))
-    assert tuple(p.dims) == (3, 120, 1)
+    assert tuple(p.dims) == (3, 1, 120)
     # the soft assignment and its gradient in the centroids, against torch autograd of the formula
     # softmax(-||x - c||^2 / T); float32 distances of ~50 with T = 0.1: atol 1e-4
     x_t = torch.tensor(pts)
@@ -139,5 +140,5 @@ def test_kmeans(rng, device):
     feats.compile(device, mn.Data(mx.array(pts)))
     feats.centroids = km.centroids
     y = feats.compile(device, mn.Data(mx.array(pts)))
-    assert tuple(y.dims) == (2, 120, 1)
+    assert tuple(y.dims) == (2, 1, 120)
     np.testing.assert_allclose(np.array(y.array).reshape(120, 2), (p_t @ c_t).detach().numpy(), atol=1e-4)

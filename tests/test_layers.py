@@ -83,8 +83,10 @@ def test_mulrows(x, device):
 @pytest.mark.parametrize("layer,fn", [
     (mn.ReLU(), torch.relu),
     (mn.SiLU(), torch.nn.functional.silu),
-    (mn.GELU("tanh"), lambda v: torch.nn.functional.gelu(v, approximate="tanh")),
-    (mn.GELU("none"), lambda v: torch.nn.functional.gelu(v)),
+    (mn.GELU(approx="tanh"), lambda v: torch.nn.functional.gelu(v, approximate="tanh")),
+    (mn.GELU(), lambda v: torch.nn.functional.gelu(v)),
+    (mn.GELU(approx="fast"), lambda v: v * torch.sigmoid(1.702 * v)),
+    (mn.Activation("relu2"), lambda v: torch.relu(v) ** 2),
     (mn.Tanh(), torch.tanh),
     (mn.Sigmoid(), torch.sigmoid),
     (mn.LeakyReLU(0.2), lambda v: torch.nn.functional.leaky_relu(v, 0.2)),
@@ -93,11 +95,11 @@ def test_activations(layer, fn, x, device):
     check_layer(layer, lambda xt, p: fn(xt), x, device)
 
 
-@pytest.mark.parametrize("scale", [True, False])
-def test_rmsnorm(x, device, scale):
-    layer = mn.RMSNorm(eps=1e-5, scale=scale)
+@pytest.mark.parametrize("affine", [True, False])
+def test_rmsnorm(x, device, affine):
+    layer = mn.RMSNorm(eps=1e-5, affine=affine)
     layer.compile(device, mn.Data(x))
-    if scale:
+    if affine:
         layer.weight = mx.linspace(0.5, 1.5, 12)
     check_layer(layer, lambda xt, p: torch.nn.functional.rms_norm(xt, (12,), p.get("weight"), eps=1e-5), x, device)
 
@@ -112,12 +114,12 @@ def test_layernorm(x, device):
 
 
 def test_swiglu(x, device):
-    layer = mn.SwiGLU(hidden=16)
+    layer = mn.SwiGLU(16)
     out = check_layer(layer, lambda xt, p: torch.nn.functional.linear(
-        torch.nn.functional.silu(torch.nn.functional.linear(xt, p["w1.weight"]))
-        * torch.nn.functional.linear(xt, p["w2.weight"]), p["w3.weight"]), x, device)
+        torch.nn.functional.silu(torch.nn.functional.linear(xt, p["gate_proj.weight"]))
+        * torch.nn.functional.linear(xt, p["up_proj.weight"]), p["down_proj.weight"]), x, device)
     assert out.shape == x.shape
-    assert sorted(layer.for_update()) == ["w1.weight", "w2.weight", "w3.weight"]
+    assert sorted(layer.for_update()) == ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
 
 
 def test_residual_and_chain(x, device):
@@ -134,7 +136,7 @@ def test_residual_dims_mismatch_is_reported(x, device):
 
 def test_embeddings(device):
     ids = mx.array([[1, 4, 4, 0], [9, 2, 3, 3]])
-    layer = mn.Embeddings(10, 6)
+    layer = mn.Embedding(10, 6)
     out = layer.compile(device, mn.Data(ids))
     assert tuple(out.dims) == (6, 4, 2)
     table = np.array(layer.weight)
@@ -171,9 +173,9 @@ def test_reshape_and_flatten(device):
 def test_dropout_train_vs_eval(device):
     x = mx.ones((4, 50, 40))
     layer = mn.Dropout(0.25)
-    device.eval()
+    layer.eval()
     np.testing.assert_array_equal(np.array(layer.compile(device, mn.Data(x)).array), np.array(x))
-    device.train()
+    layer.train()
     y = np.array(layer.compile(device, mn.Data(x)).array)
     kept = y != 0
     assert abs(kept.mean() - 0.75) < 0.02, kept.mean()          # 8000 draws: 4.5 sigma is ~0.022
@@ -183,7 +185,7 @@ def test_dropout_train_vs_eval(device):
     g = np.array(mx.grad(lambda v: layer.compile(device, mn.Data(v)).array.sum())(x))
     assert set(np.unique(g)) <= {0.0, np.float32(1 / 0.75)}
     # same device seed, same mask
-    a, b = mn.Device(seed=5, training=True), mn.Device(seed=5, training=True)
+    a, b = mn.Device(seed=5), mn.Device(seed=5)
     np.testing.assert_array_equal(np.array(layer.compile(a, mn.Data(x)).array),
                                   np.array(layer.compile(b, mn.Data(x)).array))
 
@@ -222,9 +224,10 @@ def test_for_update_names_and_mlx_interop(device):
 
 def test_plain_call_keeps_leading_shape(device):
     model = mn.Layers([mn.Linear(3)])
-    assert model(mx.zeros((5, 4)), device).shape == (5, 3)
-    assert model(mx.zeros((2, 5, 4)), device).shape == (2, 5, 3)
-    assert model(mx.zeros((4,)), device).shape == (3,)
+    assert model(mx.zeros((5, 4)), device=device).shape == (5, 3)
+    assert model(mx.zeros((2, 5, 4)), device=device).shape == (2, 5, 3)
+    assert model(mx.zeros((4,)), device=device).shape == (3,)
+    assert model(mx.zeros((2, 1, 4)), device=device).shape == (2, 1, 3)  # a length-1 sequence stays one
 
 
 def test_same_seed_same_model():

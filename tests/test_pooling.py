@@ -28,7 +28,7 @@ def _run(layer, x, device):
 @pytest.mark.parametrize("kind", ["max", "avg"])
 def test_pool_matches_torch(kind, kernel, stride, padding, shape, device, rng):
     x = rng.standard_normal(shape).astype(np.float32)
-    layer = (mn.MaxPool2D if kind == "max" else mn.AvgPool2D)(kernel, stride, padding)
+    layer = (mn.MaxPool2D if kind == "max" else mn.AvgPool2D)(kernel, stride=stride, padding=padding)
     out, g, gx = _run(layer, x, device)
     xt = torch.tensor(x, requires_grad=True)
     fn = TF.max_pool2d if kind == "max" else TF.avg_pool2d
@@ -41,7 +41,7 @@ def test_pool_matches_torch(kind, kernel, stride, padding, shape, device, rng):
 
 def test_avg_pool_count_exclude_pad(device, rng):
     x = rng.standard_normal((1, 2, 5, 6)).astype(np.float32)
-    out = mn.AvgPool2D(3, 2, 1, count_include_pad=False).compile(device, mn.Data.from_nchw(mx.array(x)))
+    out = mn.AvgPool2D(3, stride=2, padding=1, count_include_pad=False).compile(device, mn.Data.from_nchw(mx.array(x)))
     yt = TF.avg_pool2d(torch.tensor(x), 3, 2, 1, count_include_pad=False).numpy()
     np.testing.assert_allclose(np.array(out.to_nchw(2)), yt, atol=1e-5)
 

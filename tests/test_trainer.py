@@ -25,7 +25,7 @@ def make(seed=0):
 
 def loss_fn(model, batch, device):
     x, y = batch
-    return mn.losses.cross_entropy(model(x, device), y)
+    return mn.losses.cross_entropy(model(x, device=device), y)
 
 
 X, Y = problem()
@@ -100,7 +100,7 @@ def test_eval_callback_and_keep_checkpoints(tmp_path):
 
     def evaluate(trainer):
         seen.append(trainer.step_count)
-        acc = mn.losses.accuracy(trainer.model(X, trainer.device), Y).item()
+        acc = mn.losses.accuracy(trainer.model(X, device=trainer.device), Y).item()
         return {"accuracy": acc}
 
     tr = mn.Trainer(model, optim.Adam(1e-2), loss_fn, device, progress=True, eval_fn=evaluate, eval_every=5,

@@ -1,31 +1,34 @@
 """metalnn's layers. Every one is a `metalnn.Layer` (an ``mlx.nn.Module``) with ``compile(device, data)``."""
 
-from .activations import GELU, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh, activation
-from .attention import CachedLayer, GPT2Attention, KVCache, SelfAttention
-from .containers import Parallel, Sequential
+from ..layer import Layer, Layers, Sequential
+from .activations import GELU, Activation, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh, activation
+from .attention import KVCache, SelfAttention
+from .containers import Parallel
 from .conv import Conv1D, Conv2D, Conv3D, ConvTransposed1D, ConvTransposed2D, ConvTransposed3D
 from .dropout import Dropout
-from .embedding import Embeddings
+from .embedding import Embedding
+from .gated_deltanet import GatedDeltaCache, GatedDeltaNet
 from .kmeans import KMeans
 from .linear import Linear, LinearWithWeights, MulRows
-from .mlp import MLP, GPT2MLP, SwiGluFfn
-from .norm import LayerNorm, RMSNorm
+from .mlp import MLP, SwiGLU
+from .norm import GatedRMSNorm, LayerNorm, RMSNorm
 from .pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
 from .softmax import Softmax
-from .swiglu import SwiGLU
-from .transformer import GPT2Block, TransformerBlock
+from .transformer import TransformerBlock
 
 __all__ = [
-    "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation", "Dropout", "Embeddings", "Linear",
-    "LinearWithWeights", "MulRows", "LayerNorm", "RMSNorm", "Residual", "Flatten", "Identity", "Reshape", "SwiGLU",
-    "CachedLayer", "GPT2Attention", "KVCache", "SelfAttention", "MLP", "GPT2MLP", "SwiGluFfn", "GPT2Block",
-    "TransformerBlock", "Parallel", "Sequential", "KMeans", "GRU", "LSTM", "RNN", "Softmax",
+    "Layer", "Layers", "Sequential",
+    "Activation", "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation",
+    "Linear", "LinearWithWeights", "MulRows", "Embedding",
+    "Flatten", "Identity", "Reshape",
+    "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
+    "Parallel", "Residual",
+    "MLP", "SwiGLU",
+    "KVCache", "SelfAttention", "TransformerBlock", "GatedDeltaCache", "GatedDeltaNet",
+    "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
+    "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
+    "GRU", "LSTM", "RNN", "KMeans", "Softmax",
 ]
-__all__ += ["Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
-            "MaxPool2D", "AvgPool2D", "GlobalAvgPool"]
-from .gated_deltanet import GatedDeltaCache, GatedDeltaNet  # noqa: E402
-
-__all__ += ["GatedDeltaCache", "GatedDeltaNet"]

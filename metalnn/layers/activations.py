@@ -1,4 +1,9 @@
-"""Element-wise activations: `ReLU`, `LeakyReLU`, `SiLU`, `GELU`, `Tanh`, `Sigmoid`."""
+"""Element-wise activations: the one registry of activation names, and their layers.
+
+Names mean what they mean in mlx.nn (and PyTorch, and Hugging Face configs): ``"gelu"`` is the
+exact erf form; ``"gelu_approx"`` / ``"gelu_tanh"`` (Hugging Face: ``"gelu_new"``,
+``"gelu_pytorch_tanh"``) the tanh approximation; ``"gelu_fast"`` ``x * sigmoid(1.702 x)``.
+"""
 
 from __future__ import annotations
 
@@ -7,95 +12,123 @@ import math
 import mlx.core as mx
 
 from .. import fastmath
-
 from ..data import Data
 from ..layer import Layer
 
 
-class _Elementwise(Layer):
-    def fn(self, x):  # pragma: no cover - abstract
-        raise NotImplementedError
+def gelu(x):
+    """Exact GELU: ``0.5 x (1 + erf(x / sqrt(2)))``."""
+    return 0.5 * x * (1 + mx.erf(x * (1 / math.sqrt(2))))
+
+
+def gelu_fast(x):
+    """``x * sigmoid(1.702 x)`` (mlx.nn's ``gelu_fast_approx``)."""
+    return x * fastmath.sigmoid(1.702 * x)
+
+
+def relu2(x):
+    """Squared ReLU."""
+    return mx.square(mx.maximum(x, 0))
+
+
+def leaky_relu(x, negative_slope: float = 0.01):
+    return mx.where(x > 0, x, x * negative_slope)
+
+
+#: name -> element-wise function (the single place activation names are defined)
+FUNCTIONS = {
+    "relu": lambda x: mx.maximum(x, 0),
+    "relu2": relu2,
+    "leaky_relu": leaky_relu,
+    "silu": fastmath.silu,
+    "swish": fastmath.silu,
+    "gelu": gelu,
+    "gelu_approx": fastmath.gelu_tanh,
+    "gelu_tanh": fastmath.gelu_tanh,
+    "gelu_new": fastmath.gelu_tanh,
+    "gelu_pytorch_tanh": fastmath.gelu_tanh,
+    "gelu_fast": gelu_fast,
+    "tanh": fastmath.tanh,
+    "sigmoid": fastmath.sigmoid,
+    "identity": lambda x: x,
+    "linear": lambda x: x,
+}
+
+
+def activation_fn(name: str):
+    """The element-wise function registered under ``name`` (see `FUNCTIONS`)."""
+    try:
+        return FUNCTIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; choose from {sorted(FUNCTIONS)}") from None
+
+
+class Activation(Layer):
+    """An element-wise activation by name: ``Activation("gelu")``. Dims pass through unchanged."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.fn = activation_fn(name)
+        self.name = name
 
     def forward(self, device, data):
         return Data(self.fn(data.array), data.dims)
 
+    def _extra_repr(self):
+        return repr(self.name)
 
-class ReLU(_Elementwise):
+
+class ReLU(Activation):
     """``max(0, x)``."""
 
-    def fn(self, x):
-        return mx.maximum(x, 0)
+    def __init__(self):
+        super().__init__("relu")
 
 
-class LeakyReLU(_Elementwise):
-    """``x if x > 0 else slope * x``."""
+class LeakyReLU(Activation):
+    """``x if x > 0 else negative_slope * x``."""
 
     def __init__(self, negative_slope: float = 0.01):
-        super().__init__()
-        self.negative_slope = negative_slope
-
-    def fn(self, x):
-        return mx.where(x > 0, x, x * self.negative_slope)
+        super().__init__("leaky_relu")
+        self.negative_slope = float(negative_slope)
+        self.fn = lambda x: leaky_relu(x, self.negative_slope)
 
 
-class SiLU(_Elementwise):
+class SiLU(Activation):
     """``x * sigmoid(x)`` (Swish)."""
 
-    def fn(self, x):
-        return fastmath.silu(x)
+    def __init__(self):
+        super().__init__("silu")
 
 
-class GELU(_Elementwise):
-    """Gaussian error linear unit.
+class GELU(Activation):
+    """Gaussian error linear unit, as ``mlx.nn.GELU``.
 
     Args:
-        approximate: ``"tanh"`` (``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, GPT-2's form)
-            or ``"none"`` (exact, with erf).
+        approx: ``"none"`` (exact, with erf; the default), ``"precise"`` or ``"tanh"`` (the tanh
+            approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, GPT-2's), or
+            ``"fast"`` (``x * sigmoid(1.702 x)``).
     """
 
-    def __init__(self, approximate: str = "tanh"):
-        super().__init__()
-        if approximate not in ("tanh", "none"):
-            raise ValueError(f"GELU: approximate must be 'tanh' or 'none', got {approximate!r}")
-        self.approximate = approximate
+    _BY_APPROX = {"none": "gelu", "precise": "gelu_tanh", "tanh": "gelu_tanh", "fast": "gelu_fast"}
 
-    def fn(self, x):
-        return gelu(x, self.approximate)
-
-
-def gelu(x, approximate="tanh"):
-    if approximate == "tanh":
-        return fastmath.gelu_tanh(x)
-    return 0.5 * x * (1 + mx.erf(x / math.sqrt(2)))
+    def __init__(self, approx: str = "none"):
+        if approx not in self._BY_APPROX:
+            raise ValueError(f"GELU: approx must be one of {sorted(self._BY_APPROX)}, got {approx!r}")
+        super().__init__(self._BY_APPROX[approx])
+        self.approx = approx
 
 
-class Tanh(_Elementwise):
-    def fn(self, x):
-        return fastmath.tanh(x)
+class Tanh(Activation):
+    def __init__(self):
+        super().__init__("tanh")
 
 
-class Sigmoid(_Elementwise):
-    def fn(self, x):
-        return fastmath.sigmoid(x)
-
-
-ACTIVATIONS = {
-    "relu": ReLU,
-    "silu": SiLU,
-    "swish": SiLU,
-    "gelu": GELU,
-    "gelu_tanh": lambda: GELU("tanh"),
-    "gelu_new": lambda: GELU("tanh"),
-    "gelu_exact": lambda: GELU("none"),
-    "tanh": Tanh,
-    "sigmoid": Sigmoid,
-    "leaky_relu": LeakyReLU,
-}
+class Sigmoid(Activation):
+    def __init__(self):
+        super().__init__("sigmoid")
 
 
 def activation(name: str) -> Layer:
-    """An activation layer by name (``relu``, ``silu``, ``gelu``, ``gelu_exact``, ``tanh``, ...)."""
-    try:
-        return ACTIVATIONS[name]()
-    except KeyError:
-        raise ValueError(f"unknown activation {name!r}; choose from {sorted(ACTIVATIONS)}") from None
+    """An activation layer by registered name (``relu``, ``silu``, ``gelu``, ``gelu_approx``, ...)."""
+    return Activation(name)

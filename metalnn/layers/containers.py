@@ -1,14 +1,13 @@
-"""Containers: `Sequential` (an alias of `Layers`) and `Parallel` (branches combined)."""
+"""`Parallel`: the same input through several branches, their outputs combined. (`Layers` /
+`Sequential`, the chain, lives in `metalnn.layer`.)"""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from ..layer import Layer, Layers
+from ..layer import Layer, Layers, no_positional
 from .linear import Linear
-
-Sequential = Layers
 
 COMBINE_MODES = ("concat", "add", "avg", "filter")
 
@@ -24,8 +23,9 @@ class Parallel(Layer):
     Branch outputs must share H and D (and W, except for ``concat``).
     """
 
-    def __init__(self, branches, combine: str = "concat"):
+    def __init__(self, branches, *extra, combine: str = "concat"):
         super().__init__()
+        no_positional("Parallel", extra, f"Parallel(branches, combine={extra[0]!r})" if extra else "")
         if combine not in COMBINE_MODES:
             raise ValueError(f"Parallel: combine must be one of {COMBINE_MODES}, got {combine!r}")
         if not branches:
@@ -33,7 +33,7 @@ class Parallel(Layer):
         self.branches = [b if isinstance(b, Layer) else Layers(b) for b in branches]
         self.combine = combine
         if combine == "filter":
-            self.gate = Linear(len(self.branches), init="xavier_normal")
+            self.gate = Linear(len(self.branches))
 
     def forward(self, device, data):
         outs = [self.compile_child(f"branches.{i}", b, device, data) for i, b in enumerate(self.branches)]

@@ -1,38 +1,41 @@
-"""`Embeddings`: token ids in, vectors out."""
+"""`Embedding`: token ids in, vectors out."""
 
 from __future__ import annotations
+
+import math
 
 import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from ..layer import Layer
+from ..layer import Layer, no_positional
 
 
-class Embeddings(Layer):
-    """Look up rows of a ``[vocab_size, dim]`` table.
+class Embedding(Layer):
+    """Look up rows of a ``[num_embeddings, dims]`` table (as ``mlx.nn.Embedding``).
 
-    Input: token ids (integers, or floats holding integers) with dims ``(W=T, H=B, D=1)`` — the
-    natural dims of a ``[B, T]`` array — or ``(W=T, H=1, D=B)``. Output: ``(W=dim, H=T, D=B)``.
+    Input: token ids (integers, or floats holding integers). A plain array ``[B, T]`` (or ``[T]``)
+    gives ``[B, T, dims]`` (``[T, dims]``). As `Data`, ids of dims ``(W=T, H, D)`` give
+    ``(W=dims, H=T, D=H*D)``: each row of ids is one sequence.
 
     Args:
-        vocab_size: number of rows.
-        dim: vector width.
-        init: table initializer (default N(0, 1), as ``torch.nn.Embedding``).
+        num_embeddings: number of rows (the vocabulary size).
+        dims: vector width.
+        init: table initializer (default N(0, 1/dims), as mlx.nn).
+        dtype: table dtype (default float32).
     """
 
-    def __init__(self, vocab_size: int, dim: int, init="normal_1", dtype=mx.float32):
+    def __init__(self, num_embeddings: int, dims: int, *extra, init=None, dtype=None):
         super().__init__()
-        self.vocab_size, self.dim = int(vocab_size), int(dim)
-        init = initializers.Normal(1.0) if init == "normal_1" else initializers.get(init)
-        self.init = init
-        self._dtype = dtype
-        self._created = False
-
-    def build(self, device, dims, dtype):
-        if "weight" not in self:
-            self.weight = self.init((self.vocab_size, self.dim), self.vocab_size, self.dim, device.next_key(),
-                                    self._dtype)
+        no_positional("Embedding", extra, f"Embedding({num_embeddings}, {dims}, init=...)")
+        for name, v in (("num_embeddings", num_embeddings), ("dims", dims)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Embedding: {name} must be a positive int, got {v!r}")
+        self.num_embeddings, self.dims = int(num_embeddings), int(dims)
+        init = initializers.get(init, initializers.Normal(math.sqrt(1.0 / self.dims)))
+        self.weight = init((self.num_embeddings, self.dims), self.dims, self.num_embeddings,
+                           initializers.construction_key(), dtype or mx.float32)
+        self._built = True
 
     def forward(self, device, data):
         ids = data.array
@@ -40,10 +43,20 @@ class Embeddings(Layer):
             ids = ids.astype(mx.int32)
         d = data.dims
         batch = d.H * d.D
-        ids = ids.reshape(batch, d.W)
-        y = self.weight[ids]
-        return Data(y, MTLSize(self.dim, d.W, batch))
+        y = self.weight[ids.reshape(batch, d.W)]
+        return Data(y, MTLSize(self.dims, d.W, batch))
+
+    def to_data(self, x):
+        if x.ndim not in (1, 2):
+            raise ValueError(f"{self._describe()}: token ids must be [T] or [B, T], got shape {tuple(x.shape)}")
+        return Data(x.reshape(-1, x.shape[-1]))
+
+    def from_data(self, out, x):
+        return out.array.reshape(*x.shape, self.dims)
 
     def as_linear(self, x):
         """``x @ weight.T``: use the table as an output projection (tied embeddings)."""
         return x @ self.weight.T
+
+    def _extra_repr(self):
+        return f"{self.num_embeddings}, {self.dims}"

@@ -5,10 +5,10 @@ Hugging Face names of ``Qwen3NextGatedDeltaNet``, so its weights load by name:
 
 * ``in_proj_qkvz.weight`` ``[2*Hk*Dk + 2*Hv*Dv, W]`` and ``in_proj_ba.weight`` ``[2*Hv, W]``, laid out
   per key-head group as transformers' ``fix_query_key_value_ordering`` reads them;
-* ``conv1d.weight`` ``[C, 1, kernel]`` (causal depthwise convolution over q, k, v, ``C = 2*Hk*Dk + Hv*Dv``,
-  no bias) followed by SiLU;
+* ``conv1d.weight`` ``[C, 1, kernel]``: a `Conv1D` with ``groups=C`` (causal depthwise convolution over
+  q, k, v, ``C = 2*Hk*Dk + Hv*Dv``, no bias) followed by SiLU;
 * ``A_log`` and ``dt_bias`` ``[Hv]``: ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``;
-* ``norm.weight`` ``[Dv]``: gated RMSNorm ``rms_norm(o) * weight * silu(z)`` per value head;
+* ``norm.weight`` ``[Dv]``: a `GatedRMSNorm`, ``rms_norm(o) * weight * silu(z)`` per value head;
 * ``out_proj.weight`` ``[W, Hv*Dv]``.
 
 q and k are L2-normalised inside the recurrence and q is scaled by ``Dk ** -0.5``
@@ -21,14 +21,16 @@ costs one step.
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 
+from .. import fastmath
 from .. import functional as F
 from ..data import Data, MTLSize
-from .attention import CachedLayer
-from .linear import Linear
+from ..layer import Layer, no_positional
+from .conv import Conv1D
+from .linear import Linear, float_dtype
+from .norm import GatedRMSNorm
 
 
 class GatedDeltaCache:
@@ -51,46 +53,45 @@ class GatedDeltaCache:
         return f"GatedDeltaCache(offset={self.offset})"
 
 
-def _silu(x):
-    return x * mx.sigmoid(x)
-
-
 def _softplus(x):
     return mx.logaddexp(x, mx.zeros_like(x))
 
 
-class GatedDeltaNet(CachedLayer):
+class GatedDeltaNet(Layer):
     """Qwen3-Next's gated delta-rule linear attention block.
 
     Args:
-        n_k_heads: query/key heads (``linear_num_key_heads``).
-        n_v_heads: value heads (``linear_num_value_heads``, a multiple of ``n_k_heads``; default the same).
+        num_k_heads: query/key heads (``linear_num_key_heads``).
+        num_v_heads: value heads (``linear_num_value_heads``, a multiple of ``num_k_heads``; default the same).
         head_k_dim: query/key head width (``linear_key_head_dim``).
         head_v_dim: value head width (``linear_value_head_dim``, default ``head_k_dim``).
         conv_kernel: width of the causal depthwise convolution (``linear_conv_kernel_dim``).
         eps: epsilon of the gated RMSNorm (``rms_norm_eps``).
         chunk_size, mode: passed to `metalnn.functional.gated_delta_rule`.
-        init: initializer of the projections (default Xavier normal).
+        init: initializer of the projections (default `Linear`'s).
+        dtype: parameter dtype.
     """
 
     fixed_axes = ("W",)
 
-    def __init__(self, n_k_heads: int, n_v_heads: int | None = None, head_k_dim: int = 128,
+    def __init__(self, num_k_heads: int, *extra, num_v_heads: int | None = None, head_k_dim: int = 128,
                  head_v_dim: int | None = None, conv_kernel: int = 4, eps: float = 1e-6, chunk_size: int = 64,
-                 mode: str = "auto", init="xavier_normal"):
+                 mode: str = "auto", init=None, dtype=None):
         super().__init__()
-        self.n_k_heads = int(n_k_heads)
-        self.n_v_heads = int(n_v_heads or n_k_heads)
+        no_positional("GatedDeltaNet", extra, f"GatedDeltaNet({num_k_heads}, num_v_heads={extra[0]!r})"
+                      if extra else "")
+        self.n_k_heads = int(num_k_heads)
+        self.n_v_heads = int(num_v_heads or num_k_heads)
         if self.n_k_heads <= 0 or self.n_v_heads % self.n_k_heads:
-            raise ValueError(f"GatedDeltaNet: n_v_heads ({n_v_heads}) must be a positive multiple of n_k_heads "
-                             f"({n_k_heads})")
+            raise ValueError(f"GatedDeltaNet: num_v_heads ({num_v_heads}) must be a positive multiple of "
+                             f"num_k_heads ({num_k_heads})")
         self.head_k_dim = int(head_k_dim)
         self.head_v_dim = int(head_v_dim or head_k_dim)
         self.conv_kernel = int(conv_kernel)
         self.eps = float(eps)
         self.chunk_size = int(chunk_size)
         self.mode = mode
-        self._init = init
+        self._init, self._dtype = init, dtype
 
     @property
     def key_dim(self):
@@ -105,35 +106,29 @@ class GatedDeltaNet(CachedLayer):
         return 2 * self.key_dim + self.value_dim
 
     def build(self, device, dims, dtype):
-        if "in_proj_qkvz" in self:
-            return
-        dtype = dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
-        self.in_proj_qkvz = Linear(2 * self.key_dim + 2 * self.value_dim, bias=False, init=self._init)
-        self.in_proj_ba = Linear(2 * self.n_v_heads, bias=False, init=self._init)
-        self.out_proj = Linear(dims.W, bias=False, init=self._init)
-        bound = 1.0 / math.sqrt(self.conv_kernel)  # PyTorch's Conv1d default (fan_in = kernel for depthwise)
-        self.conv1d = {"weight": mx.random.uniform(-bound, bound, (self.conv_dim, 1, self.conv_kernel),
-                                                   key=device.next_key()).astype(dtype)}
+        dtype = self._dtype or float_dtype(dtype)
+        kw = dict(bias=False, init=self._init, dtype=dtype)
+        self.in_proj_qkvz = Linear(2 * self.key_dim + 2 * self.value_dim, **kw)
+        self.in_proj_ba = Linear(2 * self.n_v_heads, **kw)
+        self.out_proj = Linear(dims.W, **kw)
+        self.conv1d = Conv1D(self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False, dtype=dtype)
         self.dt_bias = mx.ones((self.n_v_heads,), dtype)
         self.A_log = mx.log(mx.random.uniform(0.01, 16.0, (self.n_v_heads,), key=device.next_key())).astype(dtype)
-        self.norm = {"weight": mx.ones((self.head_v_dim,), dtype)}
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=self.eps, dtype=dtype)
 
-    def _conv(self, x, cache):
+    def _conv(self, device, x, cache):
         """Causal depthwise conv + SiLU over ``x`` ``[B, T, C]``; updates the cache's conv tail."""
         B, T, C = x.shape
         kw = self.conv_kernel
-        w = self.conv1d["weight"][:, 0, :].astype(x.dtype)                # [C, kw]
         if cache is not None and cache.conv_state is not None:
             prev = cache.conv_state.astype(x.dtype)
         else:
             prev = mx.zeros((B, kw - 1, C), x.dtype)
         xp = mx.concatenate([prev, x], axis=1)                              # [B, kw - 1 + T, C]
-        y = xp[:, 0:T] * w[:, 0]
-        for i in range(1, kw):
-            y = y + xp[:, i:i + T] * w[:, i]
         if cache is not None:
             cache.conv_state = xp[:, xp.shape[1] - (kw - 1):]
-        return _silu(y)
+        y = self.compile_child_array("conv1d", self.conv1d, device, xp)   # [B, T, C] (no padding)
+        return fastmath.silu(y)
 
     def forward(self, device, data, cache=None):
         d = data.dims
@@ -153,12 +148,12 @@ class GatedDeltaNet(CachedLayer):
         a = ba[..., r:].reshape(B, T, hv)
 
         mixed = mx.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
-        mixed = self._conv(mixed, cache)
+        mixed = self._conv(device, mixed, cache)
         q = mixed[..., :self.key_dim].reshape(B, T, hk, dk)
         k = mixed[..., self.key_dim:2 * self.key_dim].reshape(B, T, hk, dk)
         v = mixed[..., 2 * self.key_dim:].reshape(B, T, hv, dv)
 
-        beta = mx.sigmoid(b)
+        beta = fastmath.sigmoid(b)
         g = -mx.exp(self.A_log.astype(mx.float32)) * _softplus(a.astype(mx.float32) + self.dt_bias)
         h0 = cache.recurrent_state if cache is not None else None
         o, state = F.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=cache is not None,
@@ -167,8 +162,7 @@ class GatedDeltaNet(CachedLayer):
         if cache is not None:
             cache.recurrent_state = state
             cache.offset += T
-        o = F.rms_norm(o, self.norm["weight"], self.eps, device=device)
-        o = (o.astype(mx.float32) * _silu(z.astype(mx.float32))).astype(o.dtype)
+        o = self.compile_child("norm", self.norm, device, Data(o.reshape(B * T, hv, dv)), gate=z).array
         o = Data(o.reshape(B, T, self.value_dim), MTLSize(self.value_dim, T, B))
         return self.compile_child("out_proj", self.out_proj, device, o)
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from ..layer import Layer
+from ..layer import Layer, no_positional
 
 
 class KMeans(Layer):
@@ -23,12 +23,13 @@ class KMeans(Layer):
 
     fixed_axes = ("W",)
 
-    def __init__(self, clusters: int, temperature: float = 1.0, output: str = "probabilities", init="normal"):
+    def __init__(self, clusters: int, *extra, temperature: float = 1.0, output: str = "probabilities", init=None):
         super().__init__()
+        no_positional("KMeans", extra, f"KMeans({clusters}, temperature={extra[0]!r})" if extra else "")
         if output not in ("probabilities", "features"):
             raise ValueError(f"KMeans: output must be 'probabilities' or 'features', got {output!r}")
         self.clusters, self.temperature, self.output = int(clusters), float(temperature), output
-        self.init = initializers.Normal(1.0) if init == "normal" else initializers.get(init)
+        self.init = initializers.get(init, initializers.Normal(1.0))
 
     def build(self, device, dims, dtype):
         self.centroids = self.init((self.clusters, dims.W), dims.W, self.clusters, device.next_key(), mx.float32)
@@ -57,7 +58,7 @@ class KMeans(Layer):
             d2 = ((pts[:, None] - pts[chosen][None]) ** 2).sum(-1).min(1)
             chosen.append(int(rng.choice(len(pts), p=d2 / d2.sum())) if d2.sum() > 0 else int(rng.integers(len(pts))))
         self.centroids = x[mx.array(chosen)]
-        self._built, self._built_dims = True, MTLSize(x.shape[-1])
+        self.mark_built(MTLSize(x.shape[-1]))
         for _ in range(iterations):
             assign = mx.argmin(self.distances(x), axis=-1)
             onehot = (assign[:, None] == mx.arange(self.clusters)[None]).astype(mx.float32)

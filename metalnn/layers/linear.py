@@ -6,74 +6,85 @@ import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from ..layer import Layer
+from ..layer import Layer, no_positional
+
+
+def float_dtype(dtype):
+    """``dtype`` if it is a floating type, else float32 (parameters of a layer fed integers)."""
+    return dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
 
 
 class Linear(Layer):
     """``y = x @ weight.T + bias`` over the W axis.
 
-    Input dims ``(W=in_features, H, D)`` -> output ``(W=out_features, H, D)``. ``weight`` is
-    ``[out_features, in_features]`` (the PyTorch / Hugging Face layout, so checkpoints load by name),
-    ``bias`` is ``[out_features]``.
+    Input dims ``(W=in_features, H, D)`` -> output ``(W=out_features, H, D)``; a plain array
+    ``[..., in_features]`` gives ``[..., out_features]``. ``weight`` is ``[out_features, in_features]``
+    (the PyTorch / Hugging Face / mlx.nn layout, so checkpoints load by name), ``bias``
+    ``[out_features]``.
 
     Args:
-        out_features: output width.
-        bias: learn an additive bias (initialised to zero).
-        init: weight initializer (default Xavier normal, as the seed library uses for linear layers).
-        in_features: give it to create the parameters now instead of on the first compile.
+        out_features: output width. The input width is taken from the first input; give
+            ``in_features=`` to create the parameters now (``Linear(128, in_features=64)`` is
+            mlx.nn's ``Linear(64, 128)``).
+        bias: learn an additive bias.
+        init: weight initializer (default U(-1/sqrt(in), 1/sqrt(in)), as mlx.nn and PyTorch).
+        bias_init: bias initializer (default the same uniform).
+        dtype: parameter dtype (default float32; a layer built at the first compile takes the
+            input's floating dtype).
     """
 
     fixed_axes = ("W",)
 
-    def __init__(self, out_features: int, bias: bool = True, init="xavier_normal", in_features: int | None = None,
-                 dtype=mx.float32, seed: int | None = None):
+    def __init__(self, out_features: int, *extra, in_features: int | None = None, bias: bool = True, init=None,
+                 bias_init=None, dtype=None):
         super().__init__()
-        if out_features <= 0:
-            raise ValueError(f"Linear: out_features must be positive, got {out_features}")
+        no_positional("Linear", extra, f"Linear({extra[0] if extra else 'out'}, in_features={out_features}) for "
+                                       f"mlx.nn's Linear({out_features}, {extra[0] if extra else 'out'})")
+        if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features <= 0:
+            raise ValueError(f"Linear: out_features must be a positive int, got {out_features!r}")
         self.out_features = int(out_features)
-        self.use_bias = bias
-        self.init = initializers.get(init)
-        self.seed = seed
+        self.use_bias = bool(bias)
+        self.init = initializers.get(init, initializers.FanInUniform())
+        self.bias_init = initializers.get(bias_init, initializers.FanInUniform())
+        self._dtype = dtype
         if in_features is not None:
-            self._create(int(in_features), dtype, mx.random.key(seed or 0))
-            self._built = True
-            self._built_dims = MTLSize(int(in_features))
+            self._create(int(in_features), dtype or mx.float32, initializers.construction_key)
+            self.mark_built(MTLSize(int(in_features)))
 
-    def _create(self, in_features, dtype, key):
+    def _create(self, in_features, dtype, next_key):
         self.in_features = in_features
-        self.weight = self.init((self.out_features, in_features), in_features, self.out_features, key, dtype)
+        shape = (self.out_features, in_features)
+        self.weight = self.init(shape, in_features, self.out_features, next_key(), dtype)
         if self.use_bias:
-            self.bias = mx.zeros((self.out_features,), dtype=dtype)
+            self.bias = self.bias_init((self.out_features,), in_features, self.out_features, next_key(), dtype)
 
     def build(self, device, dims, dtype):
-        key = mx.random.key(self.seed) if self.seed is not None else device.next_key()
-        self._create(dims.W, dtype if mx.issubdtype(dtype, mx.floating) else mx.float32, key)
+        self._create(dims.W, self._dtype or float_dtype(dtype), device.next_key)
 
     def forward(self, device, data):
-        x = data.array
-        y = x @ self.weight.T
+        y = data.array @ self.weight.T
         if self.use_bias:
             y = y + self.bias
         d = data.dims
         return Data(y, MTLSize(self.out_features, d.H, d.D))
 
     def _extra_repr(self):
-        return f"out_features={self.out_features}, bias={self.use_bias}"
+        return f"in_features={getattr(self, 'in_features', None)}, out_features={self.out_features}, bias={self.use_bias}"
 
 
 class LinearWithWeights(Layer):
     """``y = x @ weight.T`` with a weight owned elsewhere (e.g. a tied embedding table).
 
     Args:
-        weight_data: ``[out, in]`` ``mx.array``, a `Data` (its array is used), or a zero-argument
+        weight_source: ``[out, in]`` ``mx.array``, a `Data` (its array is used), or a zero-argument
             callable returning the current weight (so it follows the owner's updates).
     """
 
     fixed_axes = ("W",)
 
-    def __init__(self, weight_data):
+    def __init__(self, weight_source):
         super().__init__()
-        self._weight_source = weight_data
+        self._weight_source = weight_source
 
     def _weight(self):
         w = self._weight_source
@@ -97,12 +108,12 @@ class MulRows(Layer):
 
     fixed_axes = ("W",)
 
-    def __init__(self, init="ones"):
+    def __init__(self, *, init="ones"):
         super().__init__()
         self.init = initializers.get(init)
 
     def build(self, device, dims, dtype):
-        self.weight = self.init((dims.W,), dims.W, dims.W, device.next_key(), dtype)
+        self.weight = self.init((dims.W,), dims.W, dims.W, device.next_key(), float_dtype(dtype))
 
     def forward(self, device, data):
         return Data(data.array * self.weight, data.dims)

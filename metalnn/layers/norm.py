@@ -1,59 +1,37 @@
-"""Normalisation layers: `RMSNorm`, `LayerNorm`."""
+"""Normalisation layers: `RMSNorm`, `LayerNorm`, `GatedRMSNorm`."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import fastmath
 from .. import functional as F
 from ..data import Data
-from ..layer import Layer
+from ..layer import Layer, no_positional
+from .linear import float_dtype
 
 
-class RMSNorm(Layer):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the W axis.
-
-    Args:
-        eps: added to the mean square.
-        scale: learn a per-feature gain ``weight[W]`` (initialised to ones), as Llama does;
-            ``False`` gives the gain-free form.
-    """
+class _Norm(Layer):
+    """Shared construction: a per-feature gain (and bias) over the W axis, created now when ``dims``
+    is given, else at the first compile."""
 
     fixed_axes = ("W",)
+    has_bias = False
 
-    def __init__(self, eps: float = 1e-5, scale: bool = True, dims: int | None = None):
+    def __init__(self, name, dims, extra, eps, affine, bias, dtype):
         super().__init__()
+        no_positional(name, extra, f"{name}({dims}, eps={extra[0] if extra else 1e-5})")
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims <= 0):
+            raise ValueError(f"{name}: dims must be a positive int (the feature width), got {dims!r}")
+        if not eps > 0:
+            raise ValueError(f"{name}: eps must be positive, got {eps!r}")
         self.eps = float(eps)
-        self.scale = scale
-        if dims is not None and scale:
-            self.weight = mx.ones((dims,))
-
-    def build(self, device, dims, dtype):
-        if self.scale and "weight" not in self:
-            self.weight = mx.ones((dims.W,), dtype=dtype if mx.issubdtype(dtype, mx.floating) else mx.float32)
-
-    def forward(self, device, data):
-        w = self.weight if self.scale else None
-        return Data(F.rms_norm(data.array, w, self.eps, device=device), data.dims)
-
-
-class LayerNorm(Layer):
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the W axis.
-
-    Args:
-        eps: added to the variance.
-        affine: learn ``weight`` (ones) and ``bias`` (zeros).
-        bias: learn the bias when ``affine`` (some models use a gain only).
-    """
-
-    fixed_axes = ("W",)
-
-    def __init__(self, eps: float = 1e-5, affine: bool = True, bias: bool = True, dims: int | None = None):
-        super().__init__()
-        self.eps = float(eps)
-        self.affine = affine
-        self.use_bias = bias
+        self.affine = bool(affine)
+        self.use_bias = bool(bias) and self.has_bias
+        self._dtype = dtype
         if dims is not None:
-            self._create(dims, mx.float32)
+            self._create(int(dims), dtype or mx.float32)
+            self.mark_built((int(dims), 1, 1))
 
     def _create(self, width, dtype):
         if self.affine:
@@ -62,10 +40,72 @@ class LayerNorm(Layer):
                 self.bias = mx.zeros((width,), dtype=dtype)
 
     def build(self, device, dims, dtype):
-        if self.affine and "weight" not in self:
-            self._create(dims.W, dtype if mx.issubdtype(dtype, mx.floating) else mx.float32)
+        self._create(dims.W, self._dtype or float_dtype(dtype))
+
+
+class RMSNorm(_Norm):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the W axis (as ``mlx.nn.RMSNorm``).
+
+    Args:
+        dims: feature width (optional: taken from the first input when not given).
+        eps: added to the mean square.
+        affine: learn the per-feature gain ``weight[dims]`` (ones), as Llama does; ``False`` gives
+            the gain-free form.
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, dims: int | None = None, *extra, eps: float = 1e-5, affine: bool = True, dtype=None):
+        super().__init__("RMSNorm", dims, extra, eps, affine, False, dtype)
 
     def forward(self, device, data):
         w = self.weight if self.affine else None
-        b = self.bias if (self.affine and self.use_bias) else None
-        return Data(mx.fast.layer_norm(data.array, w, b, self.eps), data.dims)
+        return Data(F.rms_norm(data.array, w, self.eps, device=device), data.dims)
+
+
+class LayerNorm(_Norm):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the W axis (as ``mlx.nn.LayerNorm``).
+
+    Args:
+        dims: feature width (optional: taken from the first input when not given).
+        eps: added to the variance.
+        affine: learn ``weight`` (ones) and ``bias`` (zeros).
+        bias: learn the bias when ``affine`` (some models use a gain only).
+        dtype: parameter dtype.
+    """
+
+    has_bias = True
+
+    def __init__(self, dims: int | None = None, *extra, eps: float = 1e-5, affine: bool = True, bias: bool = True,
+                 dtype=None):
+        super().__init__("LayerNorm", dims, extra, eps, affine, bias, dtype)
+
+    def forward(self, device, data):
+        w = self.weight if self.affine else None
+        b = self.bias if self.use_bias and self.affine else None
+        return Data(F.layer_norm(data.array, w, b, self.eps, device=device), data.dims)
+
+
+class GatedRMSNorm(_Norm):
+    """``rms_norm(x) * weight * silu(gate)``: the output norm of Gated DeltaNet layers.
+
+    ``compile(device, data, gate=g)`` with ``g`` an array of the input's shape (``[..., W]``); the
+    normalisation is over W (a value head). The gate is applied in float32, as Qwen3-Next does.
+
+    Args:
+        dims: feature width (optional: taken from the first input when not given).
+        eps: added to the mean square.
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, dims: int | None = None, *extra, eps: float = 1e-6, dtype=None):
+        super().__init__("GatedRMSNorm", dims, extra, eps, True, False, dtype)
+
+    def forward(self, device, data, gate=None):
+        if gate is None:
+            raise TypeError(f"{self._describe()}: needs gate= (an array of the input's shape)")
+        x = data.array
+        self.require(tuple(gate.shape) == tuple(x.shape) or gate.size == x.size, f"gate of {x.size} elements",
+                     f"gate of shape {tuple(gate.shape)}")
+        y = F.rms_norm(x, self.weight, self.eps, device=device)
+        y = (y.astype(mx.float32) * fastmath.silu(gate.reshape(x.shape).astype(mx.float32))).astype(x.dtype)
+        return Data(y, data.dims)

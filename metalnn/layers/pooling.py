@@ -1,6 +1,7 @@
-"""Pooling layers on planar images: `MaxPool2D`, `AvgPool2D`, `GlobalAvgPool`.
+"""Pooling layers on images: `MaxPool2D`, `AvgPool2D`, `GlobalAvgPool`.
 
-Input dims ``(W, H, D)``: every one of the D planes (``D = batch*channels``) is pooled on its
+Plain arrays are channels-last ``[N, H, W, C]`` (as mlx.nn's pooling takes them). `Data` is
+planar, dims ``(W, H, D)``: every one of the D planes (``D = batch*channels``) is pooled on its
 own, so pooling needs no channel count. Semantics follow ``torch.nn.MaxPool2d`` /
 ``torch.nn.AvgPool2d`` (``ceil_mode=False``): output ``(in + 2*pad - kernel) // stride + 1`` per
 axis; max pooling pads with -inf, average pooling pads with zeros and counts them
@@ -14,7 +15,7 @@ import itertools
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from ..layer import Layer
+from ..layer import Layer, no_positional
 
 
 def _pair(v, name, layer):
@@ -32,10 +33,24 @@ def _windows(x, kernel, stride, out, fill):
     return mx.stack(pieces, axis=0)
 
 
-class _Pool2D(Layer):
-    def __init__(self, kernel_size, stride=None, padding=0):
+class _Image2D(Layer):
+    """Plain-array calls on channels-last images ``[N, H, W, C]``."""
+
+    def to_data(self, x):
+        if x.ndim != 4:
+            raise ValueError(f"{self._describe()}: expected a channels-last array [N, H, W, C], got shape "
+                             f"{tuple(x.shape)}")
+        return Data.from_nhwc(x)
+
+    def from_data(self, out, x):
+        return out.to_nhwc(out.dims.D // x.shape[0])  # planar D = batch * channels
+
+
+class _Pool2D(_Image2D):
+    def __init__(self, kernel_size, *extra, stride=None, padding=0):
         super().__init__()
         name = type(self).__name__
+        no_positional(name, extra, f"{name}({kernel_size}, stride={extra[0]})" if extra else "")
         self.kernel_size = _pair(kernel_size, "kernel_size", name)
         self.stride = self.kernel_size if stride is None else _pair(stride, "stride", name)
         self.padding = _pair(padding, "padding", name)
@@ -103,8 +118,8 @@ class AvgPool2D(_Pool2D):
             of non-padding elements.
     """
 
-    def __init__(self, kernel_size, stride=None, padding=0, count_include_pad: bool = True):
-        super().__init__(kernel_size, stride, padding)
+    def __init__(self, kernel_size, *extra, stride=None, padding=0, count_include_pad: bool = True):
+        super().__init__(kernel_size, *extra, stride=stride, padding=padding)
         self.count_include_pad = count_include_pad
 
     def forward(self, device, data):
@@ -126,15 +141,18 @@ class AvgPool2D(_Pool2D):
                     MTLSize(out[1], out[0], d.D))
 
 
-class GlobalAvgPool(Layer):
+class GlobalAvgPool(_Image2D):
     """Mean over each whole plane.
+
+    A plain array ``[N, H, W, C]`` gives ``[N, C]``.
 
     Args:
         channels: with ``channels=C`` the output is ready for `Linear`: dims ``(W=C, H=1, D=batch)``
-            (``D = batch*C`` on input). Without it the output is ``(W=1, H=1, D)``, one value per plane.
+            (``D = batch*C`` on input). Without it the output is ``(W=1, H=1, D)``, one value per plane
+            (read from the array on plain-array calls).
     """
 
-    def __init__(self, channels: int | None = None):
+    def __init__(self, *, channels: int | None = None):
         super().__init__()
         if channels is not None and channels < 1:
             raise ValueError(f"GlobalAvgPool: channels must be positive, got {channels}")
@@ -147,6 +165,15 @@ class GlobalAvgPool(Layer):
             return Data(y, MTLSize(1, 1, d.D))
         self.require(d.D % self.channels == 0, f"D divisible by channels={self.channels}", f"D={d.D} ({d})")
         return Data(y, MTLSize(self.channels, 1, d.D // self.channels))
+
+    def to_data(self, x):
+        data = super().to_data(x)
+        if self.channels is None:
+            self.channels = int(x.shape[-1])
+        return data
+
+    def from_data(self, out, x):
+        return out.to_array(2)
 
     def _extra_repr(self):
         return f"channels={self.channels}"

@@ -1,7 +1,8 @@
 """Recurrent layers: `RNN`, `LSTM`, `GRU`.
 
-Input dims ``(W=features, H=T, D=batch)``; output ``(W=hidden, H=T, D=batch)`` (every step's hidden
-state) or, with ``return_sequences=False``, ``(W=hidden, H=1, D=batch)`` (the last one).
+Input dims ``(W=features, H=T, D=batch)`` (a plain array ``[B, T, features]``); output
+``(W=hidden_size, H=T, D=batch)`` (every step's hidden state) or, with ``return_sequences=False``,
+``(W=hidden_size, H=1, D=batch)`` (the last one).
 Parameter names and gate order follow ``torch.nn.RNN/LSTM/GRU`` (``weight_ih``, ``weight_hh``,
 ``bias_ih``, ``bias_hh``; LSTM gates i, f, g, o; GRU gates r, z, n with the reset gate applied to
 ``W_hn h + b_hn``), so weights move between the two unchanged. The input projection of all steps is
@@ -16,34 +17,42 @@ import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from ..layer import Layer
+from ..layer import Layer, no_positional
+from .linear import float_dtype
 
 
 class _Recurrent(Layer):
     gates = 1
     fixed_axes = ("W",)
 
-    def __init__(self, hidden: int, bias: bool = True, return_sequences: bool = True, init=None):
+    def __init__(self, hidden_size: int, *extra, bias: bool = True, return_sequences: bool = True, init=None,
+                 dtype=None):
         super().__init__()
-        if hidden <= 0:
-            raise ValueError(f"{type(self).__name__}: hidden must be positive, got {hidden}")
-        self.hidden = int(hidden)
-        self.use_bias = bias
+        name = type(self).__name__
+        no_positional(name, extra, f"{name}({extra[0] if extra else 'hidden_size'}) for mlx.nn's "
+                                   f"{name}({hidden_size}, {extra[0] if extra else 'hidden_size'}): the input size "
+                                   "is taken from the first input")
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
+            raise ValueError(f"{name}: hidden_size must be a positive int, got {hidden_size!r}")
+        self.hidden_size = int(hidden_size)
+        self.use_bias = bool(bias)
         self.return_sequences = return_sequences
-        bound = 1.0 / math.sqrt(self.hidden)  # torch's default: U(-1/sqrt(hidden), 1/sqrt(hidden))
-        self.init = initializers.get(init) if init is not None else _Uniform(bound)
+        bound = 1.0 / math.sqrt(self.hidden_size)  # mlx.nn's and torch's U(-1/sqrt(hidden), 1/sqrt(hidden))
+        self.init = initializers.get(init, initializers.Uniform(-bound, bound))
+        self._dtype = dtype
 
     def build(self, device, dims, dtype):
-        g, h = self.gates * self.hidden, self.hidden
-        self.weight_ih = self.init((g, dims.W), dims.W, g, device.next_key(), mx.float32)
-        self.weight_hh = self.init((g, h), h, g, device.next_key(), mx.float32)
+        g, h = self.gates * self.hidden_size, self.hidden_size
+        dt = self._dtype or float_dtype(dtype)
+        self.weight_ih = self.init((g, dims.W), dims.W, g, device.next_key(), dt)
+        self.weight_hh = self.init((g, h), h, g, device.next_key(), dt)
         if self.use_bias:
-            self.bias_ih = self.init((g,), dims.W, g, device.next_key(), mx.float32)
-            self.bias_hh = self.init((g,), h, g, device.next_key(), mx.float32)
+            self.bias_ih = self.init((g,), dims.W, g, device.next_key(), dt)
+            self.bias_hh = self.init((g,), h, g, device.next_key(), dt)
 
     def forward(self, device, data):
         d = data.dims
-        x = data.array  # [B, T, F]
+        x = data.array.astype(self.weight_ih.dtype)  # [B, T, F]
         xp = x @ self.weight_ih.T
         if self.use_bias:
             xp = xp + self.bias_ih
@@ -53,11 +62,11 @@ class _Recurrent(Layer):
             state, h = self.step(xp[:, t], state)
             outs.append(h)
         if self.return_sequences:
-            return Data(mx.stack(outs, axis=1), MTLSize(self.hidden, d.H, d.D))
-        return Data(outs[-1][:, None], MTLSize(self.hidden, 1, d.D))
+            return Data(mx.stack(outs, axis=1), MTLSize(self.hidden_size, d.H, d.D))
+        return Data(outs[-1][:, None], MTLSize(self.hidden_size, 1, d.D))
 
     def initial_state(self, batch, dtype):
-        return mx.zeros((batch, self.hidden), dtype=dtype)
+        return mx.zeros((batch, self.hidden_size), dtype=dtype)
 
     def _hh(self, h):
         r = h @ self.weight_hh.T
@@ -67,8 +76,8 @@ class _Recurrent(Layer):
 class RNN(_Recurrent):
     """Elman RNN: ``h_t = act(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)``, act ``tanh`` or ``relu``."""
 
-    def __init__(self, hidden, nonlinearity: str = "tanh", **kw):
-        super().__init__(hidden, **kw)
+    def __init__(self, hidden_size: int, *extra, nonlinearity: str = "tanh", **kw):
+        super().__init__(hidden_size, *extra, **kw)
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"RNN: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
         self.nonlinearity = nonlinearity
@@ -85,7 +94,7 @@ class LSTM(_Recurrent):
     gates = 4
 
     def initial_state(self, batch, dtype):
-        z = mx.zeros((batch, self.hidden), dtype=dtype)
+        z = mx.zeros((batch, self.hidden_size), dtype=dtype)
         return (z, z)
 
     def step(self, xp, state):
@@ -109,11 +118,3 @@ class GRU(_Recurrent):
         n = mx.tanh(xn + r * hn)
         h = (1 - z) * n + z * h
         return h, h
-
-
-class _Uniform(initializers.Initializer):
-    def __init__(self, bound):
-        self.bound = bound
-
-    def sample(self, shape, fan_in, fan_out, key, dtype):
-        return mx.random.uniform(-self.bound, self.bound, shape, key=key).astype(dtype)

@@ -10,12 +10,16 @@ class Residual(Layer):
     """Skip connection around a chain of layers: ``out = x + inner(x)``.
 
     Args:
-        layers: a `Layer` or a list of layers (chained). Their output must have the input's dims.
+        layers: a `Layer`, several layers or a list of layers (chained). Their output must have the
+            input's dims.
     """
 
-    def __init__(self, layers):
+    def __init__(self, *layers):
         super().__init__()
-        self.inner = layers if isinstance(layers, Layer) else Layers(layers)
+        if len(layers) == 1 and isinstance(layers[0], Layer):
+            self.inner = layers[0]
+        else:
+            self.inner = Layers(*layers)
 
     def forward(self, device, data):
         out = self.compile_child("inner", self.inner, device, data)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..data import MTLSize
+from ..data import Data, MTLSize
 from ..layer import Layer
 
 
@@ -48,14 +48,27 @@ class Reshape(Layer):
 class Flatten(Layer):
     """Fold each sample into one row: ``(W, H, D)`` -> ``(W*H*per_sample, 1, batch)``.
 
+    A plain array ``[B, ...]`` gives ``[B, prod(...)]`` (row-major, as ``mx.flatten(x, 1)``).
+
     Args:
         channels: for planar images (``D = batch x channels``) the number of channels per sample,
-            so the output has ``D = batch`` and ``W = C*H*W``. Default 1 (D is the batch).
+            so the output has ``D = batch`` and ``W = C*H*W`` in channel-major order (PyTorch's
+            flatten of NCHW). Default 1 (D is the batch).
     """
 
-    def __init__(self, channels: int = 1):
+    def __init__(self, *, channels: int = 1):
         super().__init__()
+        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"Flatten: channels must be a positive int, got {channels!r}")
         self.channels = int(channels)
+
+    def to_data(self, x):
+        if x.ndim > 3:
+            x = x.reshape(x.shape[0], -1)
+        return Data(x)
+
+    def from_data(self, out, x):
+        return out.to_array(2)
 
     def forward(self, device, data):
         d = data.dims

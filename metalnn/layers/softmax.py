@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from ..layer import Layer
+from ..layer import Layer, no_positional
 
 VARIANTS = ("standard", "temperature", "masked", "gumbel", "sparsemax", "entmax", "grid", "log")
 
@@ -48,14 +48,15 @@ class Softmax(Layer):
     Args:
         variant: ``"standard"``; ``"temperature"`` (``softmax(x / temperature)``); ``"masked"``
             (entries where ``mask`` is False get probability 0; ``mask`` broadcasts to the rows);
-            ``"gumbel"`` (adds Gumbel noise from the device key while training: a relaxed sample);
+            ``"gumbel"`` (adds Gumbel noise from the device key in training mode: a relaxed sample);
             ``"sparsemax"``; ``"entmax"`` (``alpha`` between 1 and 2); ``"grid"`` (each row split into
             ``groups`` equal chunks, each normalised on its own); ``"log"`` (log-softmax).
     """
 
-    def __init__(self, variant: str = "standard", temperature: float = 1.0, mask=None, alpha: float = 1.5,
+    def __init__(self, variant: str = "standard", *extra, temperature: float = 1.0, mask=None, alpha: float = 1.5,
                  groups: int = 1):
         super().__init__()
+        no_positional("Softmax", extra, f"Softmax({variant!r}, temperature={extra[0]!r})" if extra else "")
         if variant not in VARIANTS:
             raise ValueError(f"Softmax: variant must be one of {VARIANTS}, got {variant!r}")
         if temperature <= 0:
@@ -70,7 +71,7 @@ class Softmax(Layer):
         v = self.variant
         if v in ("temperature", "gumbel"):
             x = x / self.temperature
-        if v == "gumbel" and device.training:
+        if v == "gumbel" and self.training:
             u = mx.random.uniform(1e-9, 1.0, x.shape, key=device.next_key())
             x = x - mx.log(-mx.log(u))
         if v == "masked":

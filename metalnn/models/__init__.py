@@ -15,12 +15,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import WeightLoadError
+from ..errors import UnsupportedConfigError, WeightLoadError
 from ..weights import open_provider
 from ..tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from .base import DTYPES, CausalLM
 from .gpt2 import GPT2LMHeadModel
-from .llama import LlamaForCausalLM, UnsupportedConfigError, llama_config
+from .llama import LlamaForCausalLM, llama_config
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -79,6 +79,8 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
         dtype: parameter dtype (``mx.float32``, ``"bfloat16"``, ...); default: the checkpoint's.
         strict: every parameter must be present and every tensor used (all problems are listed
             in one `WeightLoadError`).
+    Returns:
+        the model, in evaluation mode (``model.train()`` before fine-tuning with dropout).
     Raises:
         UnsupportedConfigError: unknown architecture or unsupported feature.
         WeightLoadError: missing, unexpected or mis-shaped tensors, or unreadable files.
@@ -100,7 +102,7 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
     except WeightLoadError as e:
         raise WeightLoadError(e.missing, e.unexpected, e.mismatched, source=str(path),
                               message=f"{cls.architecture}: " + e.message) from None
-    return model
+    return model.eval()
 
 
 __all__ = ["ARCHITECTURES", "CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "Tokenizer", "UnsupportedConfigError",

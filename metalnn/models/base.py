@@ -7,6 +7,9 @@ A model is a `metalnn.Layer` built from a Hugging Face style config dict. It can
 * ``model.compile(device, Data(tokens))`` returns the logits as `Data` ``(W=vocab, H=T, D=B)``;
 * ``model(tokens, cache=model.make_cache())`` runs incrementally: each call appends its positions
   to the per-layer `KVCache` (see `metalnn.generate`).
+
+A model built from a config starts in training mode, like any mlx.nn module; `load_pretrained`
+returns it in evaluation mode (as transformers' ``from_pretrained`` does).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import init as initializers
 from ..data import Data
 from ..device import Device
-from ..layers.attention import CachedLayer, KVCache
+from ..layer import Layer
+from ..layers.attention import KVCache
 from ..weights import load_into, save_safetensors
 
 _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -30,7 +35,7 @@ def dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(dtype, "float32")
 
 
-class CausalLM(CachedLayer):
+class CausalLM(Layer):
     """Base of decoder-only language models built from a config dict.
 
     Subclasses set ``architecture`` / ``model_type``, build their layers in ``__init__`` (then call
@@ -54,10 +59,11 @@ class CausalLM(CachedLayer):
     # -- construction ------------------------------------------------------------------------
     def _materialize(self, seed: int = 0):
         """Create every parameter now (one lazy compile on a dummy token; nothing is computed
-        until the parameters are used, so loading weights afterwards costs no initialisation)."""
-        dev = Device(kernels="reference", seed=seed)
-        dev.kernels = "reference"  # the dummy pass is never evaluated; keep it on plain MLX ops
-        self.compile(dev, Data(mx.zeros((1, 1), dtype=mx.int32)))
+        until the parameters are used, so loading weights afterwards costs no initialisation).
+        Parameters created at construction and at this compile all derive from ``seed``."""
+        dev = Device(kernels="reference", seed=seed)  # the dummy pass is never evaluated
+        with initializers.seeded(seed):
+            self.compile(dev, Data(mx.zeros((1, 1), dtype=mx.int32)))
 
     @property
     def num_layers(self) -> int:  # pragma: no cover - abstract
@@ -80,23 +86,25 @@ class CausalLM(CachedLayer):
         return [KVCache() for _ in range(self.num_layers)]
 
     # -- calling -----------------------------------------------------------------------------
-    def __call__(self, tokens, cache=None, device: Device | None = None):
-        """Logits for integer ``tokens`` ``[B, T]`` -> ``[B, T, vocab]`` (``[T]`` -> ``[T, vocab]``)."""
-        if isinstance(cache, Device):  # model(tokens, device), as for other layers
-            cache, device = None, cache
+    def __call__(self, tokens, *args, cache=None, device: Device | None = None):
+        """Logits for integer ``tokens`` ``[B, T]`` -> ``[B, T, vocab]`` (``[T]`` -> ``[T, vocab]``);
+        a `Data` of token ids gives `Data` logits."""
+        if args:
+            raise TypeError(f"{self._describe()}: call it as model(tokens, cache=..., device=...); options are "
+                            "keywords")
         if isinstance(tokens, Data):
-            return self.compile(device, tokens, cache).array
+            return self.compile(device, tokens, cache=cache)
         tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
         if tokens.ndim not in (1, 2):
             raise ValueError(f"{self._describe()}: tokens must be [T] or [B, T], got shape {tuple(tokens.shape)}")
         if not mx.issubdtype(tokens.dtype, mx.integer):
             raise TypeError(f"{self._describe()}: tokens must be integers, got {tokens.dtype}")
         b, t = (1, tokens.shape[0]) if tokens.ndim == 1 else tokens.shape
-        out = self.compile(device, Data(tokens.reshape(b, t)), cache).array
+        out = self.compile(device, Data(tokens.reshape(b, t)), cache=cache).array
         return out.reshape(t, -1) if tokens.ndim == 1 else out
 
     def _token_batch(self, data: Data):
-        """Token ids ``[B, T]`` from input `Data` (``(W=T, H=B, D=1)`` or ``(W=T, H=1, D=B)``)."""
+        """Token ids ``[B, T]`` from input `Data` (``(W=T, H=1, D=B)``, or ``(W=T, H=B, D=1)``)."""
         d = data.dims
         ids = data.array
         if not mx.issubdtype(ids.dtype, mx.integer):

@@ -13,17 +13,14 @@ import numpy as np
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from ..errors import MetalnnError
-from ..layers.attention import CachedLayer
-from ..layers.embedding import Embeddings
+from ..errors import UnsupportedConfigError
+from ..layer import Layer
+from ..layers.activations import FUNCTIONS as ACTIVATIONS
+from ..layers.embedding import Embedding
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.transformer import TransformerBlock
 from .base import CausalLM
-
-
-class UnsupportedConfigError(MetalnnError, ValueError):
-    """A config asks for an architecture or feature metalnn does not implement."""
 
 
 def rope_settings(config: dict, head_dim: int) -> dict:
@@ -47,7 +44,8 @@ def rope_settings(config: dict, head_dim: int) -> dict:
     if kind == "llama3":
         out["rope_freqs"] = llama3_rope_periods(rope_dims, theta, params)
         return out
-    raise UnsupportedConfigError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise UnsupportedConfigError(f"rope_scaling / rope_parameters: rope type {kind!r} is not supported "
+                                 "(supported: default, linear, llama3)")
 
 
 def llama3_rope_periods(dims: int, base: float, params: dict):
@@ -68,19 +66,19 @@ def llama3_rope_periods(dims: int, base: float, params: dict):
     return (1.0 / scaled).astype(np.float32)
 
 
-class LlamaModel(CachedLayer):
+class LlamaModel(Layer):
     """Embedding, decoder blocks and final norm (``model.*`` in a checkpoint)."""
 
     def __init__(self, vocab_size, hidden, n_layers, block_kwargs, eps, init_std=0.02):
         super().__init__()
-        self.embed_tokens = Embeddings(vocab_size, hidden, init=initializers.Normal(init_std))
+        self.embed_tokens = Embedding(vocab_size, hidden, init=initializers.Normal(init_std))
         self.layers = [TransformerBlock(**block_kwargs) for _ in range(n_layers)]
-        self.norm = RMSNorm(eps)
+        self.norm = RMSNorm(hidden, eps=eps)
 
     def forward(self, device, data, cache=None):
         h = self.compile_child("embed_tokens", self.embed_tokens, device, data)
         for i, layer in enumerate(self.layers):
-            h = self.compile_child(f"layers.{i}", layer, device, h, cache[i] if cache is not None else None)
+            h = self.compile_child(f"layers.{i}", layer, device, h, cache=cache[i] if cache is not None else None)
         return self.compile_child("norm", self.norm, device, h)
 
 
@@ -109,16 +107,17 @@ class LlamaForCausalLM(CausalLM):
         n_kv = int(c.get("num_key_value_heads") or n_heads)
         head_dim = int(c.get("head_dim") or hidden // n_heads)
         act = c.get("hidden_act", "silu")
-        if act not in ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
-            raise UnsupportedConfigError(f"hidden_act {act!r} is not supported")
-        block = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, intermediate=int(c["intermediate_size"]),
+        if act not in ACTIVATIONS:
+            raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+        init = initializers.Normal(float(c.get("initializer_range", 0.02)))  # transformers' init
+        block = dict(num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, mlp_dims=int(c["intermediate_size"]),
                      eps=float(c.get("rms_norm_eps", 1e-6)), attention_bias=bool(c.get("attention_bias", False)),
-                     mlp_bias=bool(c.get("mlp_bias", False)), activation=act, **rope_settings(c, head_dim))
+                     mlp_bias=bool(c.get("mlp_bias", False)), activation=act, init=init, **rope_settings(c, head_dim))
         self.tie_word_embeddings = bool(c.get("tie_word_embeddings", False))
         self.model = LlamaModel(int(c["vocab_size"]), hidden, int(c["num_hidden_layers"]), block,
                                 float(c.get("rms_norm_eps", 1e-6)), float(c.get("initializer_range", 0.02)))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(int(c["vocab_size"]), bias=False)
+            self.lm_head = Linear(int(c["vocab_size"]), bias=False, init=init)
         self._materialize(seed)
 
     @property
@@ -133,7 +132,7 @@ class LlamaForCausalLM(CausalLM):
         ids = self._token_batch(data)
         b, t = ids.shape
         self._check_positions(cache, t)
-        h = self.compile_child("model", self.model, device, Data(ids), cache)
+        h = self.compile_child("model", self.model, device, Data(ids), cache=cache)
         if self.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h.array)
             return Data(logits, MTLSize(self.vocab_size, t, b))
