@@ -1,6 +1,7 @@
 """metalnn's layers. Every one is a `metalnn.Layer` (an ``mlx.nn.Module``) with ``compile(device, data)``."""
 
 from ..layer import Layer, Layers, Sequential
+from .adaptive_softmax import AdaptiveSoftmax, AdaptiveSoftmaxOutput
 from .activations import GELU, Activation, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh, activation
 from .attention import KVCache, SelfAttention
 from .containers import Parallel
@@ -30,5 +31,5 @@ __all__ = [
     "KVCache", "SelfAttention", "TransformerBlock", "GatedDeltaCache", "GatedDeltaNet",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
-    "GRU", "LSTM", "RNN", "KMeans", "Softmax",
+    "GRU", "LSTM", "RNN", "KMeans", "Softmax", "AdaptiveSoftmax", "AdaptiveSoftmaxOutput",
 ]

@@ -9,7 +9,7 @@ from ..data import Data, MTLSize
 from ..layer import Layer, Layers, no_positional
 from .linear import Linear
 
-COMBINE_MODES = ("concat", "add", "avg", "filter")
+COMBINE_MODES = ("concat", "add", "avg", "filter", "grid_scatter")
 
 
 class Parallel(Layer):
@@ -17,10 +17,13 @@ class Parallel(Layer):
 
     Args:
         branches: layers (or lists of layers, chained).
-        combine: ``"concat"`` (along W), ``"add"``, ``"avg"``, or ``"filter"``: a learned gate
+        combine: ``"concat"`` (along W), ``"add"``, ``"avg"``, ``"filter"``: a learned gate
             ``softmax(gate(x))`` over branches weights their outputs per position (a mixture of
-            experts; the gate is a `Linear` named ``gate``).
-    Branch outputs must share H and D (and W, except for ``concat``).
+            experts; the gate is a `Linear` named ``gate``), or ``"grid_scatter"``: each branch's
+            whole per-sample output (``W_i x H_i`` values, flattened) placed in its own cell of the
+            output, cell after cell: output ``(W=sum_i W_i*H_i, H=1, D)``.
+    Branch outputs must share D; and H (except for ``grid_scatter``), and W (except for ``concat``
+    and ``grid_scatter``).
     """
 
     def __init__(self, branches, *extra, combine: str = "concat"):
@@ -39,10 +42,16 @@ class Parallel(Layer):
         outs = [self.compile_child(f"branches.{i}", b, device, data) for i, b in enumerate(self.branches)]
         first = outs[0].dims
         for i, o in enumerate(outs[1:], 1):
-            same = (o.dims.H, o.dims.D) == (first.H, first.D) and (self.combine == "concat" or o.dims.W == first.W)
+            if self.combine == "grid_scatter":
+                same = o.dims.D == first.D
+            else:
+                same = (o.dims.H, o.dims.D) == (first.H, first.D) and (self.combine == "concat" or o.dims.W == first.W)
             self.require(same, f"branch outputs like branch 0 ({first})", f"branch {i}: {o.dims}",
                          f"combine={self.combine}")
         arrays = [o.array for o in outs]
+        if self.combine == "grid_scatter":
+            y = mx.concatenate([a.reshape(first.D, -1) for a in arrays], axis=-1)
+            return Data(y, MTLSize(y.shape[-1], 1, first.D))
         if self.combine == "concat":
             y = mx.concatenate(arrays, axis=-1)
             return Data(y, MTLSize(y.shape[-1], first.H, first.D))
