@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import mlx.core as mx
@@ -55,6 +56,13 @@ class Device:
 
     def seed(self, seed: int):
         self.rng_state[0] = mx.random.key(seed)
+
+    def fork(self, key) -> "Device":
+        """The same settings with a random stream of its own, starting at ``key`` (so a recomputed
+        forward pass, e.g. under gradient checkpointing, draws the same dropout masks again)."""
+        other = copy.copy(self)
+        other.rng_state = [key]
+        return other
 
     def __repr__(self):
         return f"Device(kernels={self.kernels!r}, stream={self.stream})"

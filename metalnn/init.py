@@ -245,7 +245,8 @@ def construction_key():
 def seeded(seed: int):
     """Parameters created at construction inside the block draw from ``seed`` instead of MLX's global
     random state (which is left untouched). For building a model reproducibly."""
-    _seeded_keys.append(mx.random.key(int(seed)))
+    # a branch of the seed's key tree that a Device(seed), which splits keys in two, never draws
+    _seeded_keys.append(mx.random.split(mx.random.key(int(seed)), 3)[2])
     try:
         yield
     finally:

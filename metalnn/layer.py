@@ -56,12 +56,15 @@ class Layer(nn.Module):
     """
 
     fixed_axes: tuple = ()
+    #: a repeated block of a deep model (a transformer block): what `checkpoint_blocks` selects
+    is_block: bool = False
 
     def __init__(self):
         super().__init__()
         self._built = False
         self._built_dims = None
         self._path = ""
+        self.grad_checkpoint = False
 
     # -- builder API -------------------------------------------------------------------------
     @property
@@ -82,7 +85,25 @@ class Layer(nn.Module):
                 self.mark_built(data.dims)
             else:
                 self._check_dims(data.dims)
+            if self.grad_checkpoint and kwargs.get("cache") is None:
+                return self._checkpointed_forward(device, data, **kwargs)
             return self.forward(device, data, **kwargs)
+
+    def _checkpointed_forward(self, device, data, **kwargs) -> Data:
+        """``forward`` under ``mx.checkpoint``: its activations are recomputed in the backward pass
+        instead of kept. The block gets a random stream of its own (one key from the device), so the
+        recomputation draws the same dropout masks."""
+        out_dims = []
+        key = device.next_key()  # not an input of the checkpointed function: random draws have no VJP
+
+        def inner(params, x):
+            self.update(params)
+            out = self.forward(device.fork(key), Data(x, data.dims), **kwargs)
+            out_dims[:] = [out.dims]
+            return out.array
+
+        y = mx.checkpoint(inner)(self.trainable_parameters(), data.array)
+        return Data(y, out_dims[0])
 
     def build(self, device: Device, dims: MTLSize, dtype) -> None:
         """Create parameters for inputs of ``dims``. Layers without parameters need not override."""
@@ -175,6 +196,16 @@ class Layer(nn.Module):
         dims = MTLSize(*dims)
         self.compile(device, Data(mx.zeros(dims.shape, dtype=dtype), dims))
         return self
+
+
+def checkpoint_blocks(model: nn.Module, enabled: bool = True) -> int:
+    """Turn gradient checkpointing on (or off) for every block (``is_block``) of ``model``; returns
+    how many blocks there are. Each block's activations are then recomputed in the backward pass:
+    memory falls from all activations to one block's plus the blocks' inputs."""
+    blocks = [m for _, m in model.named_modules() if isinstance(m, Layer) and m.is_block]
+    for b in blocks:
+        b.grad_checkpoint = enabled
+    return len(blocks)
 
 
 class Layers(Layer):

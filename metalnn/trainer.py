@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .device import Device, resolve
 from .errors import TrainingDivergedError
+from .layer import checkpoint_blocks
 from .weights import load_into, load_safetensors, save_safetensors
 
 
@@ -43,16 +44,39 @@ class Trainer:
         eval_fn: ``eval_fn(trainer) -> dict`` of metrics, called every ``eval_every`` steps and at the
             end (with the model in evaluation mode); results are kept in ``history``.
         progress: show a tqdm progress bar with loss and throughput.
+        grad_checkpoint: recompute each block of the model (`metalnn.layer.checkpoint_blocks`) in the
+            backward pass instead of keeping its activations: the same gradients for less memory.
+        group: the ``mx.distributed`` group to train data-parallel on (default: the process's
+            group, ``mx.distributed.init()``; a single process is a group of one). See below.
+
+    Data parallel: in a group of N > 1 processes (started with ``mlx.launch -n N --backend ring --
+    python train.py``), every batch the data source returns is split along axis 0 into N equal
+    parts; each process computes the loss and gradients of its own part, the gradients are
+    averaged across processes (``mlx.nn.average_gradients``: few large messages) before the
+    optimizer step, and the reported loss is the mean over processes. With a mean-reduced loss the
+    result equals one process training on the whole batches (dropout aside: each process draws its
+    masks from the same device key). Only rank 0 writes checkpoints and shows progress; every
+    process can resume from them.
     """
 
     def __init__(self, model, optimizer, loss_fn, device: Device | None = None, compile: bool = True,
                  clip_grad_norm: float | None = None, checkpoint_dir=None, checkpoint_every: int | None = None,
-                 eval_fn=None, eval_every: int | None = None, progress: bool = True, keep_checkpoints: int = 3):
+                 eval_fn=None, eval_every: int | None = None, progress: bool = True, keep_checkpoints: int = 3,
+                 grad_checkpoint: bool = False, group=None):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = resolve(device)
         self.use_compile = compile and self.device.kernels != "emulate"
+        if group is None and mx.distributed.is_available():
+            group = mx.distributed.init()
+        self.group = group
+        self.world_size = group.size() if group is not None else 1
+        self.rank = group.rank() if group is not None else 0
+        if grad_checkpoint and checkpoint_blocks(model) == 0:
+            raise ValueError(f"Trainer: grad_checkpoint=True but {type(model).__name__} has no blocks "
+                             "(layers with is_block = True) to checkpoint; set layer.grad_checkpoint = True "
+                             "on the layers to recompute instead")
         self.clip_grad_norm = clip_grad_norm
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
@@ -80,9 +104,13 @@ class Trainer:
         model, optimizer, device = self.model, self.optimizer, self.device
         loss_and_grad = nn.value_and_grad(model, lambda batch: self.loss_fn(model, batch, device))
         clip = self.clip_grad_norm
+        group, world = self.group, self.world_size
 
         def step(batch):
             loss, grads = loss_and_grad(batch)
+            if world > 1:
+                grads = nn.average_gradients(grads, group)
+                loss = mx.distributed.all_sum(loss, group=group) / world
             if clip is not None:
                 grads, _ = optim.clip_grad_norm(grads, clip)
             optimizer.update(model, grads)
@@ -94,7 +122,10 @@ class Trainer:
         return step
 
     def step(self, batch):
-        """Run one optimisation step on ``batch``; returns the loss as a Python float."""
+        """Run one optimisation step on ``batch`` (this process's share of it, in a data-parallel
+        group); returns the loss as a Python float."""
+        if self.world_size > 1:
+            batch = shard(batch, self.rank, self.world_size)
         if self._step_fn is None:
             self._ensure_built(batch)
             if self._pending_resume is not None:
@@ -132,7 +163,7 @@ class Trainer:
                 next(it)
             get = lambda _step: next(it)  # noqa: E731
         bar = None
-        if self.progress:
+        if self.progress and self.rank == 0:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=steps, initial=self.step_count, desc=desc, dynamic_ncols=True)
@@ -149,14 +180,15 @@ class Trainer:
                     bar.update(1)
                 if self.eval_fn and self.eval_every and self.step_count % self.eval_every == 0:
                     self._evaluate(bar)
-                if self.checkpoint_dir and self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
+                if (self.checkpoint_dir and self.checkpoint_every and self.step_count % self.checkpoint_every == 0
+                        and self.rank == 0):
                     self.save_checkpoint()
         finally:
             if bar is not None:
                 bar.close()
         if self.eval_fn and (not self.eval_every or self.step_count % self.eval_every):
             self._evaluate(None)
-        if self.checkpoint_dir and self.step_count > done0:
+        if self.checkpoint_dir and self.step_count > done0 and self.rank == 0:
             self.save_checkpoint()
         return self.history
 
@@ -237,6 +269,23 @@ class Trainer:
         rng = load_safetensors(path / "rng.safetensors")
         self.device.rng_state[0] = rng["device_key"]
         mx.eval(self.model.parameters(), self.optimizer.state)
+
+
+def shard(batch, rank: int, world: int):
+    """Rank ``rank``'s part of ``batch`` (arrays, or tuples / lists / dicts of them): each array split
+    along axis 0 into ``world`` equal parts."""
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(shard(b, rank, world) for b in batch)
+    if isinstance(batch, dict):
+        return {k: shard(v, rank, world) for k, v in batch.items()}
+    if not isinstance(batch, mx.array) or batch.ndim == 0:
+        return batch
+    n = batch.shape[0]
+    if n % world:
+        raise ValueError(f"Trainer: a batch of {n} rows does not split evenly over {world} data-parallel "
+                         f"processes; use a batch size divisible by {world}")
+    part = n // world
+    return batch[rank * part:(rank + 1) * part]
 
 
 @contextlib.contextmanager

@@ -229,8 +229,10 @@ def test_model_from_config_names_match_hf_and_seed_decides_weights():
     # different seeds, different weights; the same seed, the same weights
     a = mn.models.from_config(cfg, seed=1).named_parameters()
     b = mn.models.from_config(cfg, seed=2).named_parameters()
+    for name, value in model.named_parameters().items():  # every parameter, the table included
+        np.testing.assert_array_equal(np.array(a[name]), np.array(value), err_msg=name)
     key = "model.layers.0.self_attn.q_proj.weight"
-    assert np.array_equal(np.array(a[key]), np.array(model.named_parameters()[key]))
+    assert not np.array_equal(np.array(a["model.embed_tokens.weight"]), np.array(b["model.embed_tokens.weight"]))
     assert not np.array_equal(np.array(a[key]), np.array(b[key]))
     assert not np.array_equal(np.array(a[key]), np.array(a["model.layers.1.self_attn.q_proj.weight"]))
 

@@ -32,6 +32,7 @@ class TransformerBlock(Layer):
     """
 
     fixed_axes = ("W",)
+    is_block = True
 
     def __init__(self, num_heads: int, mlp_dims: int, *extra, num_kv_heads: int | None = None,
                  head_dim: int | None = None, eps: float = 1e-5, attention_bias: bool = False, mlp_bias: bool = False,

@@ -38,18 +38,28 @@ def dtype_name(dtype) -> str:
 class CausalLM(Layer):
     """Base of decoder-only language models built from a config dict.
 
-    Subclasses set ``architecture`` / ``model_type``, build their layers in ``__init__`` (then call
-    ``self._materialize()``), and implement ``forward(device, data, cache)``. Loading and saving
-    go through ``rename_weight`` / ``transform_weight`` (checkpoint -> metalnn) and
-    ``export_weights`` (metalnn -> checkpoint).
+    Subclasses set ``architecture`` / ``model_type``, create their layers in ``_build()`` (from
+    ``self.config``), and implement ``forward(device, data, cache)``. Loading and saving go through
+    ``rename_weight`` / ``transform_weight`` (checkpoint -> metalnn) and ``export_weights``
+    (metalnn -> checkpoint).
+
+    Args:
+        config: the Hugging Face style config dict (as in ``config.json``).
+        seed: every random initial value derives from it (the same seed, the same model).
     """
 
     architecture = ""
     model_type = ""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, seed: int = 0):
         super().__init__()
         self._config = dict(config)
+        with initializers.seeded(seed):
+            self._build()
+            self._materialize(seed)
+
+    def _build(self):  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__}._build")
 
     @property
     def config(self) -> dict:
@@ -59,11 +69,9 @@ class CausalLM(Layer):
     # -- construction ------------------------------------------------------------------------
     def _materialize(self, seed: int = 0):
         """Create every parameter now (one lazy compile on a dummy token; nothing is computed
-        until the parameters are used, so loading weights afterwards costs no initialisation).
-        Parameters created at construction and at this compile all derive from ``seed``."""
+        until the parameters are used, so loading weights afterwards costs no initialisation)."""
         dev = Device(kernels="reference", seed=seed)  # the dummy pass is never evaluated
-        with initializers.seeded(seed):
-            self.compile(dev, Data(mx.zeros((1, 1), dtype=mx.int32)))
+        self.compile(dev, Data(mx.zeros((1, 1), dtype=mx.int32)))
 
     @property
     def num_layers(self) -> int:  # pragma: no cover - abstract

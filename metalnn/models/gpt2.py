@@ -105,6 +105,7 @@ class GPT2Block(Layer):
     """``h = x + attn(ln_1(x)); out = h + mlp(ln_2(h))`` with GPT-2's names."""
 
     fixed_axes = ("W",)
+    is_block = True
 
     def __init__(self, n_heads: int, intermediate: int, *, eps: float = 1e-5, scale: float | None = None,
                  activation: str = "gelu_tanh", init=None):
@@ -157,8 +158,7 @@ class GPT2LMHeadModel(CausalLM):
     architecture = "GPT2LMHeadModel"
     model_type = "gpt2"
 
-    def __init__(self, config: dict, seed: int = 0):
-        super().__init__(config)
+    def _build(self):
         c = self.config
         if c.get("add_cross_attention"):
             raise UnsupportedConfigError("GPT-2 with cross-attention (add_cross_attention) is not supported")
@@ -180,7 +180,6 @@ class GPT2LMHeadModel(CausalLM):
                                      float(c.get("initializer_range", 0.02)))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(int(c["vocab_size"]), bias=False, init=init)
-        self._materialize(seed)
 
     @property
     def num_layers(self):

@@ -91,16 +91,13 @@ class LlamaForCausalLM(CausalLM):
     llama3), ``attention_bias``, ``mlp_bias``, ``hidden_act``, ``tie_word_embeddings``,
     ``max_position_embeddings``, ``initializer_range`` (random init std of the embeddings).
 
-    Args:
-        config: the config dict (as in ``config.json``).
-        seed: seed of the random initialisation.
+    Args: see `CausalLM` (``config``, ``seed``).
     """
 
     architecture = "LlamaForCausalLM"
     model_type = "llama"
 
-    def __init__(self, config: dict, seed: int = 0):
-        super().__init__(config)
+    def _build(self):
         c = self.config
         hidden = int(c["hidden_size"])
         n_heads = int(c["num_attention_heads"])
@@ -118,7 +115,6 @@ class LlamaForCausalLM(CausalLM):
                                 float(c.get("rms_norm_eps", 1e-6)), float(c.get("initializer_range", 0.02)))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(int(c["vocab_size"]), bias=False, init=init)
-        self._materialize(seed)
 
     @property
     def num_layers(self):
