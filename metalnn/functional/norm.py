@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..device import resolve
+from ..kernels import rms_norm as kernels
+from ._dispatch import emulator_options, kernel_backend
 
 
 def rms_norm_reference(x, weight, eps: float):
@@ -27,13 +29,17 @@ def rms_norm_reference(x, weight, eps: float):
 def rms_norm(x, weight, eps: float = 1e-5, device=None):
     """RMS-normalise the last axis of ``x`` (``[..., D]``) and scale by ``weight`` (``[D]`` or None).
 
-    Same semantics as ``mx.fast.rms_norm``. Differentiable in ``x`` and ``weight`` on every path.
+    Same semantics as ``mx.fast.rms_norm``; differentiable in ``x`` and ``weight``. Implementation by
+    ``device.kernels``: ``"reference"`` `rms_norm_reference`; ``"auto"`` ``mx.fast.rms_norm``;
+    ``"metal"``/``"emulate"`` the kernels of `metalnn.kernels.rms_norm` (float32/float16/bfloat16,
+    non-empty), else ``mx.fast.rms_norm``.
     """
     device = resolve(device)
     if weight is not None and weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if device.kernels == "reference":
         return rms_norm_reference(x, weight, eps)
-    from ..kernels import rms_norm as kernel
-
-    return kernel.rms_norm(x, weight, eps, device)
+    backend = kernel_backend(device)
+    if backend and kernels.supports(x, weight):
+        return kernels.rms_norm(x, weight, eps, backend, emulator_options(device))
+    return mx.fast.rms_norm(x, weight, eps)
