@@ -27,7 +27,7 @@ import torch.nn.functional as TF
 import metalnn as mn
 from metalnn import functional as F
 
-from kernel_cases import emulate, reference, spy_launches
+from kernel_cases import GATED_DELTA_SHAPES, emulate, reference, spy_launches
 
 import transformers.models.qwen3_next.modeling_qwen3_next as hf  # noqa: E402
 
@@ -137,8 +137,7 @@ def hf_chunk(chunk_size):
     return fn
 
 
-# (B, T, Hk, Hv, K, V): plain heads; grouped heads with T not a multiple of the chunk / checkpoint.
-SHAPES = [(2, 12, 2, 2, 16, 8), (1, 37, 1, 2, 8, 4)]
+SHAPES = GATED_DELTA_SHAPES[:2]   # the third, wide heads: test_kernel_wide_heads_and_several_checkpoints
 PATHS = [("reference", "recurrent"), ("reference", "chunk"), ("emulate", "kernel")]
 
 
@@ -173,7 +172,7 @@ def test_l2norm_in_kernel_no_initial_state(kernels, mode):
 def test_kernel_wide_heads_and_several_checkpoints(monkeypatch):
     """K = 40 (two registers per lane, lanes past K idle), V = 6 (six SIMD groups), T = 35 (3 checkpoints)."""
     launches = spy_launches(monkeypatch)
-    inputs, do, dht = make_inputs(1, 35, 1, 1, 40, 6, seed=7)
+    inputs, do, dht = make_inputs(*GATED_DELTA_SHAPES[2], seed=7)
     got = metalnn_run(inputs, do, dht, emulate())
     assert launches.names() == KERNELS
     assert {launch.template["NK"] for launch in launches} == {2}

@@ -35,24 +35,9 @@ from metalnn import fastmath
 from metalnn import functional as F
 from metalnn.kernels import attention as attention_kernels
 
-from kernel_cases import close, emulate, f32, random, reference, spy_launches
+from kernel_cases import ATTENTION_CASES as CASES, close, emulate, f32, random, reference, spy_launches
 
 KERNELS = {"attention_forward", "attention_backward_dq", "attention_backward_dkv"}
-
-# (name, B, Hq, Hkv, Tq, Tk, head_dim, causal, offset)   offset None = Tk - Tq
-CASES = [
-    ("decode_gqa4", 1, 4, 1, 1, 7, 64, True, None),
-    ("t7_d80_causal", 1, 2, 2, 7, 7, 80, True, None),
-    ("t64_d32_gqa4_full", 1, 4, 1, 64, 64, 32, False, None),
-    ("t130_d64_causal", 1, 1, 1, 130, 130, 64, True, None),
-    ("t130_d32_full_b2", 2, 2, 1, 7, 130, 32, False, None),
-    ("kvcache_d128_gqa2", 1, 2, 1, 7, 64, 128, True, None),
-    ("kvcache_offset_d64", 1, 4, 1, 7, 64, 64, True, 20),
-    ("t1_d128_full", 1, 2, 2, 1, 1, 128, False, None),
-    ("cross_q130_k7_d80", 1, 2, 1, 130, 7, 80, False, None),
-    ("d256_b2_causal", 2, 2, 1, 13, 30, 256, True, None),
-]
-
 
 def make(case, dtype=mx.float32, seed=0):
     _, B, Hq, Hkv, Tq, Tk, D, _, _ = case

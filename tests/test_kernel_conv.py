@@ -18,7 +18,7 @@ import metalnn as mn
 from metalnn import functional as F
 from metalnn.kernels import conv as conv_kernels
 
-from kernel_cases import spy_launches
+from kernel_cases import CONV_CASES, spy_launches
 
 KERNELS = {"conv2d_forward", "conv2d_dgrad", "conv2d_wgrad"}
 
@@ -76,14 +76,9 @@ def check(op, x_shape, w_shape, kwargs, device=None, dtype=mx.float32, tol=TOL32
     return got
 
 
-CONV2D = [
-    # x shape, w shape, kwargs
-    ((2, 3, 7, 6), (5, 3, 3, 2), dict(stride=(2, 1), padding=(1, 0), dilation=(1, 2))),
-    ((1, 4, 5, 9), (6, 2, 3, 3), dict(padding=1, groups=2)),
-    ((2, 2, 8, 7), (3, 2, 2, 2), dict(stride=3)),                       # stride > kernel: dx holes
-    ((1, 6, 6, 5), (6, 1, 3, 3), dict(padding=2, dilation=2, groups=6)),  # depthwise
-    ((1, 37, 4, 3), (35, 37, 1, 2), dict(padding=(0, 1))),              # 2 tiles in M, 3 K chunks
-]
+CONV2D = [c[1:] for c in CONV_CASES if c[0] == "conv" and len(c[1]) == 4]
+CONV_T2D = [c[1:] for c in CONV_CASES if c[0] == "conv_transpose" and len(c[1]) == 4]
+OTHER_RANKS = [c for c in CONV_CASES if len(c[1]) != 4]
 
 
 @pytest.mark.parametrize("x_shape,w_shape,kwargs", CONV2D)
@@ -93,14 +88,6 @@ def test_conv2d_forward_and_grads(x_shape, w_shape, kwargs, monkeypatch):
     assert launches.names() == KERNELS
 
 
-CONV_T2D = [
-    ((2, 3, 4, 5), (3, 4, 3, 2), dict(stride=2, padding=1, output_padding=1)),
-    ((1, 4, 3, 3), (4, 3, 2, 3), dict(stride=(1, 3), padding=(0, 1), output_padding=(0, 2), dilation=(2, 1),
-                                      groups=2)),
-    ((1, 2, 5, 4), (2, 3, 3, 3), dict(dilation=2, output_padding=1)),   # output_padding < dilation
-]
-
-
 @pytest.mark.parametrize("x_shape,w_shape,kwargs", CONV_T2D)
 def test_conv_transpose2d_forward_and_grads(x_shape, w_shape, kwargs, monkeypatch):
     launches = spy_launches(monkeypatch)
@@ -108,13 +95,7 @@ def test_conv_transpose2d_forward_and_grads(x_shape, w_shape, kwargs, monkeypatc
     assert launches.names() == KERNELS
 
 
-@pytest.mark.parametrize("op,x_shape,w_shape,kwargs", [
-    ("conv", (2, 3, 11), (4, 3, 3), dict(stride=2, padding=1, dilation=2)),
-    ("conv", (1, 1, 5), (1, 1, 3), dict(padding=1)),  # < 8 elements: MLX passes `constant` buffers
-    ("conv_transpose", (2, 4, 5), (4, 2, 3), dict(stride=3, output_padding=2, groups=2)),
-    ("conv", (1, 2, 4, 3, 5), (3, 2, 2, 2, 3), dict(stride=(1, 2, 1), padding=(1, 0, 1), dilation=(1, 1, 2))),
-    ("conv_transpose", (1, 2, 3, 2, 3), (2, 2, 2, 2, 2), dict(stride=2, padding=1, output_padding=1)),
-])
+@pytest.mark.parametrize("op,x_shape,w_shape,kwargs", OTHER_RANKS)
 def test_1d_and_3d_forward_and_grads(op, x_shape, w_shape, kwargs, monkeypatch):
     launches = spy_launches(monkeypatch)
     check(op, x_shape, w_shape, kwargs)

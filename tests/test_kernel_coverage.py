@@ -3,19 +3,24 @@ small case, and gives what the reference implementation gives.
 
 `CASES` maps each ``(family, kernel)`` to a computation through `metalnn.functional` whose result
 depends on that kernel (a forward output, or the gradient the backward kernel computes); each test
-runs it on an emulate device and on the reference, checks with a spy that the kernel ran, and
-compares the results. `test_cases_cover_every_kernel` fails when a kernel is added to the tree
-without a case here. Tolerance: float32, 1e-4 absolute and relative (`kernel_cases.TOL`; sums of
-at most a few dozen terms of order 1 in another order).
+runs it on an emulate device (and, where Metal is available, on a metal device) and on the
+reference, checks with a spy that the kernel ran, and compares the results.
+`test_cases_cover_every_kernel` fails when a kernel is added to the tree without a case here.
+Tolerance: float32, 1e-4 absolute and relative (`kernel_cases.TOL`; sums of at most a few dozen
+terms of order 1 in another order).
 """
 
 import mlx.core as mx
 import pytest
 
 import metal_kernels
+import metalnn as mn
 from metalnn import functional as F
 
 from kernel_cases import close, emulate, random, reference, spy_launches
+
+BACKENDS = ["emulate", pytest.param("metal", marks=pytest.mark.skipif(not mx.metal.is_available(),
+                                                                     reason="needs Metal"))]
 
 
 def _rms_norm(argnum):
@@ -93,10 +98,11 @@ def _flat(result):
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family,kernel", sorted(CASES), ids=[f"{f}.{k}" for f, k in sorted(CASES)])
-def test_kernel_runs_and_matches_reference(family, kernel, monkeypatch):
+def test_kernel_runs_and_matches_reference(family, kernel, backend, monkeypatch):
     launches = spy_launches(monkeypatch)
-    got = _flat(CASES[family, kernel](emulate()))
+    got = _flat(CASES[family, kernel](emulate() if backend == "emulate" else mn.Device(kernels="metal")))
     assert (family, kernel) in {(launch.family, launch.name) for launch in launches}
     launches.clear()
     want = _flat(CASES[family, kernel](reference()))

@@ -20,10 +20,8 @@ import pytest
 import metalnn as mn
 from metalnn import functional as F
 
-from kernel_cases import close, emulate, f32, random, reference, spy_launches
+from kernel_cases import DTYPES, RMS_NORM_SHAPES as SHAPES, close, emulate, f32, random, reference, spy_launches
 
-SHAPES = [(3, 1), (2, 31), (3, 33), (1, 4096), (3, 2, 5, 64), (7, 130)]
-DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 RTOL = {mx.float32: 1e-4, mx.float16: 2 ** -9, mx.bfloat16: 2 ** -6}
 KERNELS = {"rms_norm_forward", "rms_norm_backward_dx", "rms_norm_backward_dw"}
 

@@ -12,17 +12,7 @@ import metalnn as mn
 from metalnn import functional as F
 from metalnn.kernels import rope as rope_kernels
 
-from kernel_cases import close, emulate, random, reference, spy_launches
-
-CASES = [  # (shape [..., T, D], dims)
-    ((1, 1, 8), 8),
-    ((3, 5, 31), 30),
-    ((2, 2, 7, 33), 32),
-    ((1, 3, 64), 48),
-    ((1, 1, 4096), 4096),
-    ((2, 4, 1, 128), 128),
-]
-
+from kernel_cases import ROPE_CASES as CASES, close, emulate, random, reference, spy_launches
 
 def vjp(fn, x, cot):
     return mx.vjp(fn, [x], [cot])[1][0]

@@ -13,9 +13,10 @@ This package owns the choice and the fallbacks; `metalnn.kernels` only launches 
 from .attention import attention, attention_reference, causal_mask
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from .gated_delta import gated_delta_rule
-from .norm import rms_norm, rms_norm_reference
+from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
 
 __all__ = ["attention", "attention_reference", "causal_mask",
            "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-           "gated_delta_rule", "rms_norm", "rms_norm_reference", "rope", "rope_reference"]
+           "gated_delta_rule", "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
+           "rope", "rope_reference"]

@@ -1,4 +1,4 @@
-"""RMS normalisation."""
+"""RMS and layer normalisation."""
 
 from __future__ import annotations
 
@@ -43,3 +43,33 @@ def rms_norm(x, weight, eps: float = 1e-5, device=None):
     if backend and kernels.supports(x, weight):
         return kernels.rms_norm(x, weight, eps, backend, emulator_options(device))
     return mx.fast.rms_norm(x, weight, eps)
+
+
+def layer_norm_reference(x, weight, bias, eps: float):
+    """``(x - mean) * rsqrt(var + eps) * weight + bias`` over the last axis in plain MLX ops
+    (statistics in float32; result in ``x.dtype``)."""
+    xf = x.astype(mx.float32)
+    mean = mx.mean(xf, axis=-1, keepdims=True)
+    var = mx.mean(mx.square(xf - mean), axis=-1, keepdims=True)
+    y = ((xf - mean) * mx.rsqrt(var + eps)).astype(x.dtype)
+    if weight is not None:
+        y = y * weight.astype(x.dtype)
+    if bias is not None:
+        y = y + bias.astype(x.dtype)
+    return y
+
+
+def layer_norm(x, weight, bias, eps: float = 1e-5, device=None):
+    """Layer-normalise the last axis of ``x`` (``[..., D]``); ``weight``/``bias`` ``[D]`` or None.
+
+    Same semantics as ``mx.fast.layer_norm``; differentiable in every input. Implementation by
+    ``device.kernels``: ``"reference"`` `layer_norm_reference`; every other choice
+    ``mx.fast.layer_norm`` (metalnn has no custom kernel for it).
+    """
+    device = resolve(device)
+    for name, a in (("weight", weight), ("bias", bias)):
+        if a is not None and a.shape != (x.shape[-1],):
+            raise ValueError(f"layer_norm: {name} must have shape ({x.shape[-1]},), got {tuple(a.shape)}")
+    if device.kernels == "reference":
+        return layer_norm_reference(x, weight, bias, eps)
+    return mx.fast.layer_norm(x, weight, bias, eps)
