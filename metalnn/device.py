@@ -7,7 +7,7 @@ import os
 
 import mlx.core as mx
 
-KERNEL_CHOICES = ("auto", "metal", "reference", "emulate")
+KERNEL_CHOICES = ("auto", "reference", "metal", "emulate")
 
 
 def metal_available() -> bool:
@@ -17,16 +17,37 @@ def metal_available() -> bool:
         return False
 
 
+def resolve_kernels(kernels: str) -> str:
+    """The kernel choice of a `Device`: ``kernels``, or for ``"auto"`` the ``METALNN_KERNELS``
+    environment variable when it is set. ``"metal"`` needs Metal."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"Device: kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "auto":
+        env = os.environ.get("METALNN_KERNELS", "").strip().lower()
+        if env and env not in KERNEL_CHOICES:
+            raise ValueError(f"Device: the environment variable METALNN_KERNELS must be one of {KERNEL_CHOICES}, "
+                             f"got {env!r}")
+        kernels = env or kernels
+    if kernels == "metal" and not metal_available():
+        raise RuntimeError("Device: kernels='metal' needs Metal (macOS on Apple Silicon); "
+                           "use 'auto', 'reference' or 'emulate' here")
+    return kernels
+
+
 class Device:
     """Run settings shared by every layer compiled on it: the implementation of metalnn's custom
     ops and the random key (dropout, sampling). Training mode is the model's (``model.train()`` /
     ``model.eval()``, as in mlx.nn), not the device's.
 
     Args:
-        kernels: ``"metal"`` (custom Metal kernels via ``mx.fast.metal_kernel``), ``"reference"``
-            (plain MLX ops), ``"emulate"`` (the Metal source run by the CPU emulator; slow, for
-            testing), or ``"auto"`` (``metal`` when Metal is available, else ``reference``). The
-            environment variable ``METALNN_KERNELS`` overrides the argument.
+        kernels: the implementation of metalnn's ops (`metalnn.functional`): ``"auto"`` (MLX's
+            own fused ops such as ``mx.fast.rms_norm``, ``mx.fast.rope``,
+            ``mx.fast.scaled_dot_product_attention`` and ``mx.conv_general``, plain MLX ops where
+            MLX has none, and on the CPU backend metalnn's CPU paths where measured faster),
+            ``"reference"`` (every op spelled out in plain MLX ops), ``"metal"`` (metalnn's custom
+            Metal kernels via ``mx.fast.metal_kernel``; opt-in, needs Metal) or ``"emulate"`` (the
+            same Metal source run by the CPU emulator; slow, for testing). The environment
+            variable ``METALNN_KERNELS`` only replaces ``"auto"``; an explicit choice wins.
         seed: seed of the device's random key (dropout, sampling).
         stream: an MLX device or stream to run on (default: MLX's default device).
         emulator_options: extra keywords for the emulator on the ``emulate`` path, e.g.
@@ -34,15 +55,7 @@ class Device:
     """
 
     def __init__(self, kernels: str = "auto", seed: int = 0, stream=None, emulator_options: dict | None = None):
-        requested = os.environ.get("METALNN_KERNELS", "").strip().lower() or kernels
-        if requested not in KERNEL_CHOICES:
-            raise ValueError(f"Device: kernels must be one of {KERNEL_CHOICES}, got {requested!r}")
-        if requested == "auto":
-            requested = "metal" if metal_available() else "reference"
-        if requested == "metal" and not metal_available():
-            raise RuntimeError("Device: kernels='metal' needs Metal (macOS on Apple Silicon); "
-                               "use 'reference' or 'emulate' here")
-        self.kernels = requested
+        self.kernels = resolve_kernels(kernels)
         self.stream = stream if stream is not None else mx.default_device()
         self.emulator_options = dict(emulator_options or {})
         # A list so mx.compile can track it as state (see Trainer).

@@ -1,4 +1,4 @@
-"""Benchmark conv2d forward+backward: metalnn (reference kernels) vs PyTorch CPU, in one process.
+"""Benchmark conv2d forward+backward: metalnn (kernels="auto") vs PyTorch CPU, in one process.
 
 Case (default): batch 16, 32 -> 64 channels, 32x32, 3x3, padding 1, with bias; gradients of
 ``sum(conv(x) * g)`` in input, weight and bias. Prints median/min times and the speed ratio
@@ -55,7 +55,7 @@ def main(argv=None):
     out_shape = TF.conv2d(torch.tensor(x), torch.tensor(w), **kw).shape
     g = rng.standard_normal(tuple(out_shape)).astype(np.float32)
 
-    device = metalnn.Device(kernels="reference")
+    device = metalnn.Device(kernels="auto")
     mx_x, mx_w, mx_b, mx_g = (mx.array(a) for a in (x, w, b, g))
     fwd = lambda: mx.eval(conv2d(mx_x, mx_w, mx_b, device=device, **kw))  # noqa: E731
     loss = lambda x_, w_, b_: (conv2d(x_, w_, b_, device=device, **kw) * mx_g).sum()  # noqa: E731

@@ -10,6 +10,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_kernel_override(monkeypatch):
+    """Tests choose their kernels explicitly: METALNN_KERNELS from the shell does not leak in."""
+    monkeypatch.delenv("METALNN_KERNELS", raising=False)
+
+
 @pytest.fixture
 def device():
     return metalnn.Device(kernels="reference", seed=0)
@@ -22,9 +28,3 @@ def rng():
 
 def to_np(a):
     return np.array(a.astype(mx.float32)) if isinstance(a, mx.array) else np.asarray(a)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Run the kernel-coverage check last, after every kernel test had its chance."""
-    last = [i for i in items if i.module.__name__.endswith("test_zz_kernel_coverage")]
-    items[:] = [i for i in items if i not in last] + last

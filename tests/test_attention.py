@@ -1,4 +1,5 @@
-"""metalnn.functional.attention and the attention layers, checked against PyTorch.
+"""metalnn.functional.attention and the attention layers, checked against PyTorch, on the
+"reference" and the "auto" implementations.
 
 References: torch.nn.functional.scaled_dot_product_attention (independent implementation, with
 enable_gqa) and a float64 NumPy softmax written out here. Tolerance: float32 inputs of unit scale;
@@ -16,6 +17,13 @@ import metalnn as mn
 import metalnn.functional as F
 
 ATOL = RTOL = 2e-5
+
+
+@pytest.fixture(params=["reference", "auto"])
+def device(request):
+    device = mn.Device(kernels=request.param, seed=0)
+    assert device.kernels == request.param
+    return device
 
 
 def _qkv(rng, b, hq, hkv, tq, tk, d):
@@ -103,7 +111,7 @@ def test_attention_mask_and_scale(device):
     additive = np.where(mask, 0.0, -1e9).astype(np.float32)
     out = F.attention(mx.array(q), mx.array(k), mx.array(v), causal=True, mask=mx.array(additive), device=device)
     np.testing.assert_allclose(np.array(out), naive(q, k, v, 0.25, True, mask=mask), atol=ATOL, rtol=RTOL)
-    out_naive = F.attention_naive(mx.array(q), mx.array(k), mx.array(v), causal=True, mask=mx.array(mask))
+    out_naive = F.attention_reference(mx.array(q), mx.array(k), mx.array(v), causal=True, mask=mx.array(mask))
     np.testing.assert_allclose(np.array(out_naive), naive(q, k, v, 0.25, True, mask=mask), atol=ATOL, rtol=RTOL)
 
 

@@ -1,4 +1,8 @@
-"""Convolutions vs torch.nn.functional: forward and gradients (dx, dw, db), errors, layers.
+"""Convolutions vs torch.nn.functional: forward and gradients (dx, dw, db), errors.
+
+Each case runs on the "reference" implementation (plain MLX ops, MLX autodiff), on "auto" (the
+CPU path with its hand-written backward, here on the CPU backend) and through MLX's
+``mx.conv_general`` (what "auto" runs on a GPU) where `mlx_conv_supports` says MLX can.
 
 Tolerance: float32, random N(0,1) inputs and weights; each output is a sum of up to
 C/groups * prod(kernel) (here <= 72) products and each weight gradient a sum over batch and output
@@ -15,10 +19,14 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
+import importlib
+
 import metalnn as mn
 import mlx.core as mx
 from metalnn.functional import (conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d,
                                 conv_transpose3d)
+
+Fconv = importlib.import_module("metalnn.functional.conv")
 
 ATOL = RTOL = 1e-4
 MN = {(False, 1): conv1d, (False, 2): conv2d, (False, 3): conv3d,
@@ -61,9 +69,37 @@ def _close(a, b, what):
     np.testing.assert_allclose(a, b, atol=ATOL, rtol=RTOL, err_msg=what)
 
 
+def _normalised(case):
+    transposed, n, N, C, O, S, k, kw = case
+    tup = lambda v: tuple(v) if isinstance(v, tuple) else (v,) * n  # noqa: E731
+    args = dict(stride=tup(kw.get("stride", 1)), padding=tup(kw.get("padding", 0)),
+                dilation=tup(kw.get("dilation", 1)), groups=kw.get("groups", 1))
+    if transposed:
+        args["output_padding"] = tup(kw.get("output_padding", 0))
+    return args
+
+
+def _mlx_builtin(case):
+    """``(fn, supported)``: the case run through mx.conv_general, and whether metalnn would do so."""
+    transposed, n = case[:2]
+    a = _normalised(case)
+    if transposed:
+        fn = lambda x, w, b, **_: Fconv._add_bias(Fconv.conv_transpose_mlx(  # noqa: E731
+            x, w, a["stride"], a["padding"], a["output_padding"], a["dilation"], a["groups"]), b, n)
+        return fn, Fconv.mlx_conv_supports(n, a["groups"], a["padding"], a["output_padding"])
+    fn = lambda x, w, b, **_: Fconv._add_bias(Fconv.conv_mlx(  # noqa: E731
+        x, w, a["stride"], a["padding"], a["dilation"], a["groups"]), b, n)
+    return fn, Fconv.mlx_conv_supports(n, a["groups"])
+
+
+# "mlx": only the cases metalnn sends to mx.conv_general (the others: test_mlx_limits_are_real).
+PATHS = [pytest.param(case, path, id=f"{path}-{_ids(case)}") for case in CASES for path in ("reference", "auto", "mlx")
+         if path != "mlx" or _mlx_builtin(case)[1]]
+
+
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_matches_torch_forward_and_grads(case, bias, device):
+@pytest.mark.parametrize("case,path", PATHS)
+def test_matches_torch_forward_and_grads(case, path, bias):
     transposed, n, N, C, O, S, k, kw = case
     rng = np.random.default_rng(zlib.crc32(_ids(case).encode()))
     g = kw.get("groups", 1)
@@ -77,6 +113,9 @@ def test_matches_torch_forward_and_grads(case, bias, device):
     (yt * torch.tensor(gy)).sum().backward()
 
     fn = MN[transposed, n]
+    if path == "mlx":
+        fn = _mlx_builtin(case)[0]
+    device = mn.Device(kernels=path if path != "mlx" else "auto")
 
     def loss(x_, w_, b_):
         y = fn(x_, w_, b_ if bias else None, device=device, **kw)
@@ -88,6 +127,34 @@ def test_matches_torch_forward_and_grads(case, bias, device):
     _close(grads[1], wt.grad, "dw")
     if bias:
         _close(grads[2], bt.grad, "db")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not _mlx_builtin(c)[1]], ids=_ids)
+def test_mlx_limits_are_real(case):
+    """The cases kept away from mx.conv_general do fail there (so the guard is still needed):
+    MLX 0.32 refuses grouped 3-D convolutions and returns an input gradient of the wrong shape for
+    transposed ones with output_padding > padding."""
+    transposed, n, N, C, O, S, k, kw = case
+    g = kw.get("groups", 1)
+    x = mx.ones((N, C) + S)
+    w = mx.ones(((C, O // g) if transposed else (O, C // g)) + k)
+    fn = _mlx_builtin(case)[0]
+    try:
+        dx = mx.grad(lambda x_: fn(x_, w, None).sum())(x)
+    except ValueError as e:
+        assert "groups" in str(e)
+    else:
+        assert dx.shape != x.shape
+
+
+def test_auto_on_cpu_runs_the_cpu_path(monkeypatch):
+    calls = []
+    real = Fconv.conv_cpu
+    monkeypatch.setattr(Fconv, "conv_cpu", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(mx, "conv_general", None)  # any call would fail
+    x, w = mx.ones((1, 2, 5, 5)), mx.ones((3, 2, 3, 3))
+    y = conv2d(x, w, padding=1, device=mn.Device())
+    assert calls and float(y[0, 0, 2, 2]) == 18.0
 
 
 def test_int_and_tuple_args_agree(device):

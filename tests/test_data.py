@@ -44,25 +44,6 @@ def test_image_layout_round_trips():
         d.to_nchw(4)
 
 
-def test_device_kernel_choice(monkeypatch):
-    monkeypatch.delenv("METALNN_KERNELS", raising=False)
-    auto = mn.Device()
-    assert auto.kernels == ("metal" if mx.metal.is_available() else "reference")
-    assert mn.Device(kernels="emulate").kernels == "emulate"
-    monkeypatch.setenv("METALNN_KERNELS", "emulate")
-    assert mn.Device(kernels="reference").kernels == "emulate"
-    monkeypatch.setenv("METALNN_KERNELS", "bogus")
-    with pytest.raises(ValueError, match="kernels must be one of"):
-        mn.Device()
-
-
-@pytest.mark.skipif(mx.metal.is_available(), reason="checks the error raised where Metal is missing")
-def test_device_metal_unavailable_is_clear(monkeypatch):
-    monkeypatch.delenv("METALNN_KERNELS", raising=False)
-    with pytest.raises(RuntimeError, match="needs Metal"):
-        mn.Device(kernels="metal")
-
-
 def test_device_keys_are_seeded_and_advance():
     a, b = mn.Device(seed=3), mn.Device(seed=3)
     ka1, kb1 = a.next_key(), b.next_key()

@@ -11,7 +11,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 import metalnn as mn
-from metalnn.kernels import launch
+
+from kernel_cases import emulate, reference, spy_launches
 
 ATOL = 1e-4
 
@@ -27,31 +28,33 @@ def loss(model, tokens, device):
     return mn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:])
 
 
-def test_llama_forward_and_gradients_on_emulated_kernels():
+def test_llama_forward_and_gradients_on_emulated_kernels(monkeypatch):
+    launches = spy_launches(monkeypatch)
     model = tiny_llama()
     tokens = mx.array(np.random.default_rng(0).integers(0, 40, (2, 9)))
-    ref_dev, emu_dev = mn.Device(kernels="reference"), mn.Device(kernels="emulate")
-    seen_before = set(launch.EMULATED)
-    launch.EMULATED.clear()
+    ref_dev, emu_dev = reference(), emulate()
     ref_logits = model(tokens, device=ref_dev)
+    assert not launches
     emu_logits = model(tokens, device=emu_dev)
-    ran_forward = {name for _, name in launch.EMULATED}
-    launch.EMULATED.update(seen_before)
+    assert launches.names() == {"rms_norm_forward", "rope", "attention_forward"}
     np.testing.assert_allclose(np.array(emu_logits), np.array(ref_logits), atol=ATOL)
-    assert {"rms_norm_forward", "rope", "attention_forward"} <= ran_forward
+    launches.clear()
     g_ref = nn.value_and_grad(model, lambda t: loss(model, t, ref_dev))(tokens)[1]
+    assert not launches
     g_emu = nn.value_and_grad(model, lambda t: loss(model, t, emu_dev))(tokens)[1]
     ref, emu = dict(tree_flatten(g_ref)), dict(tree_flatten(g_emu))
     assert ref.keys() == emu.keys() and len(ref) > 10
     for name in ref:
         np.testing.assert_allclose(np.array(emu[name]), np.array(ref[name]), atol=ATOL, err_msg=name)
-    assert {"rms_norm_backward_dx", "attention_backward_dq", "attention_backward_dkv"} <= {
-        name for _, name in launch.EMULATED}
+    assert {"rms_norm_backward_dx", "rms_norm_backward_dw", "attention_backward_dq", "attention_backward_dkv"} \
+        <= launches.names()
 
 
-def test_trainer_on_emulated_kernels_matches_reference():
+def test_trainer_on_emulated_kernels_matches_reference(monkeypatch):
     """Two optimisation steps of a small CNN on the emulated conv kernels equal the reference run."""
     import mlx.optimizers as optim
+
+    launches = spy_launches(monkeypatch)
 
     x = mx.array(np.random.default_rng(1).normal(size=(4, 1, 6, 6)).astype(np.float32))
     y = mx.array([0, 1, 2, 1])
@@ -73,7 +76,9 @@ def test_trainer_on_emulated_kernels_matches_reference():
         return trainer.history["loss"], model.for_update()
 
     ref_loss, ref_params = run("reference")
+    assert not launches
     emu_loss, emu_params = run("emulate")
+    assert launches.names() == {"conv2d_forward", "conv2d_dgrad", "conv2d_wgrad"}
     np.testing.assert_allclose(emu_loss, ref_loss, atol=ATOL)
     for k in ref_params:
         np.testing.assert_allclose(np.array(emu_params[k]), np.array(ref_params[k]), atol=ATOL, err_msg=k)

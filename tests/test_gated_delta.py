@@ -2,11 +2,21 @@
 transformers' ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``.
 
 Inputs follow fla's test recipe: q, k L2-normalised, ``g = logsigmoid(rand)``, ``beta = sigmoid(rand)``,
-a random initial state; gradients of ``(o * do).sum() + (ht * dht).sum()``. transformers computes in
-float32 whatever the input dtype, so the references also include a float64 copy of the recurrence.
-Pass criterion (fla's ``assert_close``): max |diff| <= 1e-6, else relative RMS error
-``||ref - x|| / ||ref||`` below 0.002 (o, final state), 0.008 (dq, dk, dv, dh0), 0.02 (dbeta, dg).
+a random initial state; gradients of ``(o * do).sum() + (ht * dht).sum()``.
+
+Two oracles:
+
+* a float64 copy of the recurrence (`naive64`, torch autograd): every output and gradient
+  elementwise within rtol 1e-4, atol 1e-5. The float32 paths sum at most a few hundred terms of
+  order 1 per element (T <= 37 tokens, K <= 40), so their rounding error is ~1e-6; 1e-4 relative
+  still catches a wrong decay, index or sign (errors of order 1e-1).
+* transformers' float32 functions (which compute in float32 whatever the input dtype): their own
+  rounding is of the same order as ours, so the comparison uses fla's ``assert_close`` rule
+  (max |diff| <= 1e-6, else relative RMS error ``||ref - x|| / ||ref||`` below 0.002 for o and the
+  final state, 0.008 for dq, dk, dv, dh0, 0.02 for dbeta, dg).
 """
+
+import importlib
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +27,7 @@ import torch.nn.functional as TF
 import metalnn as mn
 from metalnn import functional as F
 
-from kernel_cases import emulate, reference
+from kernel_cases import GATED_DELTA_SHAPES, emulate, reference, spy_launches
 
 import transformers.models.qwen3_next.modeling_qwen3_next as hf  # noqa: E402
 
@@ -95,6 +105,7 @@ def metalnn_run(inputs, do, dht, device, mode="auto", chunk_size=64, **kw):
 
 
 def check_all(ref, got):
+    """fla's rule, for references computed in float32 (transformers)."""
     o_r, ht_r, g_r = ref
     o_g, ht_g, g_g = got
     assert_close("o", o_r, o_g, TOLS["o"])
@@ -102,6 +113,17 @@ def check_all(ref, got):
     for name, a, b in zip(GRAD_NAMES, g_r, g_g):
         if a is not None:
             assert_close(name, a, b, TOLS[name])
+
+
+def check_elementwise(ref64, got):
+    """Against the float64 recurrence: every output and gradient elementwise (see the module docstring)."""
+    o_r, ht_r, g_r = ref64
+    o_g, ht_g, g_g = got
+    pairs = [("o", o_r, o_g), ("ht", ht_r, ht_g)] + [(n, a, b) for n, a, b in zip(GRAD_NAMES, g_r, g_g)
+                                                      if a is not None]
+    assert len(pairs) == 2 + len([a for a in g_r if a is not None])
+    for name, a, b in pairs:
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def hf_recurrent(q, k, v, g, beta, h0, **kw):
@@ -115,23 +137,24 @@ def hf_chunk(chunk_size):
     return fn
 
 
-# (B, T, Hk, Hv, K, V): plain heads; grouped heads with T not a multiple of the chunk / checkpoint.
-SHAPES = [(2, 12, 2, 2, 16, 8), (1, 37, 1, 2, 8, 4)]
+SHAPES = GATED_DELTA_SHAPES[:2]   # the third, wide heads: test_kernel_wide_heads_and_several_checkpoints
 PATHS = [("reference", "recurrent"), ("reference", "chunk"), ("emulate", "kernel")]
+
+
+KERNELS = {"gated_delta_forward", "gated_delta_backward"}
 
 
 @pytest.mark.parametrize("kernels,mode", PATHS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_transformers(kernels, mode, shape):
+def test_matches_transformers(kernels, mode, shape, monkeypatch):
+    launches = spy_launches(monkeypatch)
     inputs, do, dht = make_inputs(*shape, seed=sum(shape))
     device = reference() if kernels == "reference" else emulate()
     got = metalnn_run(inputs, do, dht, device, mode=mode, chunk_size=16)
-    check_all(torch_reference(naive64, inputs, do, dht), got)
+    assert launches.names() == (KERNELS if kernels == "emulate" else set())
+    check_elementwise(torch_reference(naive64, inputs, do, dht), got)
     hf_fn = hf_chunk(16) if mode == "chunk" else hf_recurrent
     check_all(torch_reference(hf_fn, inputs, do, dht), got)
-    # float32 agreement with the float64 recurrence, elementwise.
-    o64 = torch_reference(naive64, inputs, do, dht)[0]
-    np.testing.assert_allclose(got[0], o64, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kernels,mode", PATHS)
@@ -142,24 +165,50 @@ def test_l2norm_in_kernel_no_initial_state(kernels, mode):
     inputs[1] = inputs[1] * 0.5 + 0.1
     device = reference() if kernels == "reference" else emulate()
     got = metalnn_run(inputs, do, dht, device, mode=mode, chunk_size=4, use_qk_l2norm_in_kernel=True)
-    check_all(torch_reference(naive64, inputs, do, dht, l2=True), got)
+    check_elementwise(torch_reference(naive64, inputs, do, dht, l2=True), got)
     check_all(torch_reference(hf_recurrent, inputs, do, dht, use_qk_l2norm_in_kernel=True), got)
 
 
-def test_kernel_wide_heads_and_several_checkpoints():
+def test_kernel_wide_heads_and_several_checkpoints(monkeypatch):
     """K = 40 (two registers per lane, lanes past K idle), V = 6 (six SIMD groups), T = 35 (3 checkpoints)."""
-    inputs, do, dht = make_inputs(1, 35, 1, 1, 40, 6, seed=7)
+    launches = spy_launches(monkeypatch)
+    inputs, do, dht = make_inputs(*GATED_DELTA_SHAPES[2], seed=7)
     got = metalnn_run(inputs, do, dht, emulate())
-    check_all(torch_reference(naive64, inputs, do, dht), got)
+    assert launches.names() == KERNELS
+    assert {launch.template["NK"] for launch in launches} == {2}
+    assert {launch.template.get("SG") for launch in launches} == {None, 6}
+    check_elementwise(torch_reference(naive64, inputs, do, dht), got)
 
 
 @pytest.mark.parametrize("lane_order", ["reversed", "shuffled"])
-def test_kernel_lane_order_does_not_change_result(lane_order):
+def test_kernel_lane_order_does_not_change_result(lane_order, monkeypatch):
+    launches = spy_launches(monkeypatch)
     inputs, do, dht = make_inputs(1, 12, 2, 2, 16, 8, seed=1)
     a = metalnn_run(inputs, do, dht, emulate())
     b = metalnn_run(inputs, do, dht, emulate(lane_order, seed=5))
     for x, y in zip([a[0], a[1], *a[2]], [b[0], b[1], *b[2]]):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+    orders = {(launch.name, launch.options["lane_order"]) for launch in launches}
+    assert orders == {(name, order) for name in KERNELS for order in ("forward", lane_order)}
+
+
+def test_auto_mode_picks_by_device_and_length(monkeypatch):
+    """mode="auto": the kernels on an emulate device; the recurrence on "reference"; on "auto" the
+    recurrence below 16 tokens and the chunked form from there."""
+    gd = importlib.import_module("metalnn.functional.gated_delta")
+    calls = []
+    for name in ("gated_delta_recurrent", "gated_delta_chunk"):
+        real = getattr(gd, name)
+        monkeypatch.setattr(gd, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
+    launches = spy_launches(monkeypatch)
+    for T, device, expected in [(20, reference(), "gated_delta_recurrent"), (8, mn.Device(), "gated_delta_recurrent"),
+                                (20, mn.Device(), "gated_delta_chunk"), (20, emulate(), None)]:
+        calls.clear()
+        launches.clear()
+        q, k, v, g, beta, h0 = (mx.array(x.numpy()) for x in make_inputs(1, T, 1, 1, 8, 4, seed=T)[0])
+        F.gated_delta_rule(q, k, v, g, beta, initial_state=h0, device=device)
+        assert calls == ([expected] if expected else [])
+        assert launches.names() == (set() if expected else {"gated_delta_forward"})
 
 
 @pytest.mark.parametrize("T", [1, 5, 16, 37, 70])
@@ -202,12 +251,13 @@ def test_dtypes_and_options():
     np.testing.assert_allclose(np.array(o_s), np.array(o_d), atol=1e-5)
 
 
-def test_reference_path_compiles():
+@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
+def test_plain_forms_compile(mode):
     inputs, _, _ = make_inputs(1, 20, 1, 1, 8, 4, seed=4)
     args = [mx.array(x.numpy()) for x in inputs]
 
     def f(*a):
-        return F.gated_delta_rule(*a[:5], initial_state=a[5], chunk_size=8, device=reference())
+        return F.gated_delta_rule(*a[:5], initial_state=a[5], chunk_size=8, mode=mode, device=mn.Device())
 
     eager = f(*args)
     compiled = mx.compile(f)(*args)

@@ -18,6 +18,10 @@ import metalnn as mn
 from metalnn import functional as F
 from metalnn.kernels import conv as conv_kernels
 
+from kernel_cases import CONV_CASES, spy_launches
+
+KERNELS = {"conv2d_forward", "conv2d_dgrad", "conv2d_wgrad"}
+
 # float32 tolerance (absolute and relative): the kernels sum the same products as torch in a
 # different order (16-long chunks through 8x8 tile products, split-K partials), with values of
 # order 1-10 and at most ~100 terms per sum, so results differ by ~100 ulps of 10 (~1e-5) at most.
@@ -25,7 +29,9 @@ TOL32 = 1e-4
 
 
 def emulate(**options):
-    return mn.Device(kernels="emulate", emulator_options=options)
+    device = mn.Device(kernels="emulate", emulator_options=options)
+    assert device.kernels == "emulate"
+    return device
 
 
 def _rand(shape, seed):
@@ -70,43 +76,30 @@ def check(op, x_shape, w_shape, kwargs, device=None, dtype=mx.float32, tol=TOL32
     return got
 
 
-CONV2D = [
-    # x shape, w shape, kwargs
-    ((2, 3, 7, 6), (5, 3, 3, 2), dict(stride=(2, 1), padding=(1, 0), dilation=(1, 2))),
-    ((1, 4, 5, 9), (6, 2, 3, 3), dict(padding=1, groups=2)),
-    ((2, 2, 8, 7), (3, 2, 2, 2), dict(stride=3)),                       # stride > kernel: dx holes
-    ((1, 6, 6, 5), (6, 1, 3, 3), dict(padding=2, dilation=2, groups=6)),  # depthwise
-    ((1, 37, 4, 3), (35, 37, 1, 2), dict(padding=(0, 1))),              # 2 tiles in M, 3 K chunks
-]
+CONV2D = [c[1:] for c in CONV_CASES if c[0] == "conv" and len(c[1]) == 4]
+CONV_T2D = [c[1:] for c in CONV_CASES if c[0] == "conv_transpose" and len(c[1]) == 4]
+OTHER_RANKS = [c for c in CONV_CASES if len(c[1]) != 4]
 
 
 @pytest.mark.parametrize("x_shape,w_shape,kwargs", CONV2D)
-def test_conv2d_forward_and_grads(x_shape, w_shape, kwargs):
+def test_conv2d_forward_and_grads(x_shape, w_shape, kwargs, monkeypatch):
+    launches = spy_launches(monkeypatch)
     check("conv", x_shape, w_shape, kwargs)
-
-
-CONV_T2D = [
-    ((2, 3, 4, 5), (3, 4, 3, 2), dict(stride=2, padding=1, output_padding=1)),
-    ((1, 4, 3, 3), (4, 3, 2, 3), dict(stride=(1, 3), padding=(0, 1), output_padding=(0, 2), dilation=(2, 1),
-                                      groups=2)),
-    ((1, 2, 5, 4), (2, 3, 3, 3), dict(dilation=2, output_padding=1)),   # output_padding < dilation
-]
+    assert launches.names() == KERNELS
 
 
 @pytest.mark.parametrize("x_shape,w_shape,kwargs", CONV_T2D)
-def test_conv_transpose2d_forward_and_grads(x_shape, w_shape, kwargs):
+def test_conv_transpose2d_forward_and_grads(x_shape, w_shape, kwargs, monkeypatch):
+    launches = spy_launches(monkeypatch)
     check("conv_transpose", x_shape, w_shape, kwargs)
+    assert launches.names() == KERNELS
 
 
-@pytest.mark.parametrize("op,x_shape,w_shape,kwargs", [
-    ("conv", (2, 3, 11), (4, 3, 3), dict(stride=2, padding=1, dilation=2)),
-    ("conv", (1, 1, 5), (1, 1, 3), dict(padding=1)),  # < 8 elements: MLX passes `constant` buffers
-    ("conv_transpose", (2, 4, 5), (4, 2, 3), dict(stride=3, output_padding=2, groups=2)),
-    ("conv", (1, 2, 4, 3, 5), (3, 2, 2, 2, 3), dict(stride=(1, 2, 1), padding=(1, 0, 1), dilation=(1, 1, 2))),
-    ("conv_transpose", (1, 2, 3, 2, 3), (2, 2, 2, 2, 2), dict(stride=2, padding=1, output_padding=1)),
-])
-def test_1d_and_3d_forward_and_grads(op, x_shape, w_shape, kwargs):
+@pytest.mark.parametrize("op,x_shape,w_shape,kwargs", OTHER_RANKS)
+def test_1d_and_3d_forward_and_grads(op, x_shape, w_shape, kwargs, monkeypatch):
+    launches = spy_launches(monkeypatch)
     check(op, x_shape, w_shape, kwargs)
+    assert launches.names() == KERNELS
 
 
 def test_split_weight_gradient(monkeypatch):
@@ -124,11 +117,14 @@ def test_split_weight_gradient(monkeypatch):
 
 
 @pytest.mark.parametrize("lane_order", ["reversed", "shuffled"])
-def test_lane_order_does_not_change_result(lane_order):
+def test_lane_order_does_not_change_result(lane_order, monkeypatch):
+    launches = spy_launches(monkeypatch)
     base = check("conv", *CONV2D[1])
     other = check("conv", *CONV2D[1], device=emulate(lane_order=lane_order, seed=3))
     for a, b in zip(base, other):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    orders = {(launch.name, launch.options.get("lane_order", "forward")) for launch in launches}
+    assert orders == {(name, order) for name in KERNELS for order in ("forward", lane_order)}
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
@@ -142,20 +138,46 @@ def test_half_precision(dtype):
           tol=1e-2 if dtype == mx.float16 else 5e-2)
 
 
-def test_layers_run_on_the_kernels():
+def test_layers_run_on_the_kernels(monkeypatch):
+    launches = spy_launches(monkeypatch)
     x = mx.array(_rand((2, 4, 6, 5), 7))
     ref_dev, emu_dev = mn.Device(kernels="reference"), emulate()
-    for layer, out_ch in ((mn.Conv2D(6, 3, padding=1, groups=2, in_channels=4), 6),
-                          (mn.ConvTransposed2D(3, 3, stride=2, padding=1, output_padding=1, in_channels=4), 3)):
+    # conv runs the forward kernel; the transposed conv's forward is the dgrad kernel.
+    for layer, out_ch, kernel in ((mn.Conv2D(6, 3, padding=1, groups=2, in_channels=4), 6, "conv2d_forward"),
+                                  (mn.ConvTransposed2D(3, 3, stride=2, padding=1, output_padding=1, in_channels=4),
+                                   3, "conv2d_dgrad")):
         ref = layer.compile(ref_dev, mn.Data.from_nchw(x)).to_nchw(out_ch)
+        assert not launches
         got = layer.compile(emu_dev, mn.Data.from_nchw(x)).to_nchw(out_ch)
+        assert launches.names() == {kernel}
+        launches.clear()
         np.testing.assert_allclose(np.array(got), np.array(ref), atol=TOL32, rtol=TOL32)
 
 
-def test_empty_batch_gives_empty_output_and_zero_grads():
+@pytest.mark.parametrize("kernels", ["emulate", "reference", "auto"])
+def test_empty_batch_gives_empty_output_and_zero_grads(kernels, monkeypatch):
+    launches = spy_launches(monkeypatch)
+    device = mn.Device(kernels=kernels)
     x = mx.zeros((0, 3, 5, 5))
     w = mx.array(_rand((4, 3, 3, 3), 9))
-    y = F.conv2d(x, w, padding=1, device=emulate())
+    y = F.conv2d(x, w, padding=1, device=device)
     assert y.shape == (0, 4, 5, 5)
-    dw = mx.grad(lambda w_: F.conv2d(x, w_, device=emulate()).sum())(w)
+    dw = mx.grad(lambda w_: F.conv2d(x, w_, device=device).sum())(w)
     assert dw.shape == w.shape and not np.any(np.array(dw))
+    yt = F.conv_transpose2d(x, mx.array(_rand((3, 2, 3, 3), 9)), stride=2, device=device)
+    assert yt.shape == (0, 2, 11, 11)      # (5 - 1) * 2 + 3
+    assert not launches
+
+
+def test_mixed_and_integer_dtypes_are_promoted(monkeypatch):
+    launches = spy_launches(monkeypatch)
+    x = mx.array(np.arange(2 * 3 * 4 * 4).reshape(2, 3, 4, 4) % 5)           # int32
+    w = mx.array(_rand((2, 3, 3, 3), 4)).astype(mx.float16)
+    for kernels in ("emulate", "reference", "auto"):
+        y = F.conv2d(x, w, padding=1, device=mn.Device(kernels=kernels))
+        assert y.dtype == mx.float16
+        want = TF.conv2d(torch.tensor(np.array(x), dtype=torch.float64),
+                         torch.tensor(np.array(w.astype(mx.float32)), dtype=torch.float64), padding=1)
+        # float16 output of sums of up to 27 products of size <= 4 * 3: 1e-2 relative (a few roundings)
+        np.testing.assert_allclose(np.array(y.astype(mx.float32)), want.numpy(), rtol=1e-2, atol=1e-2)
+    assert launches.names() == {"conv2d_forward"}

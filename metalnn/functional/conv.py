@@ -7,36 +7,37 @@ Layouts (the same as ``torch.nn.functional``):
 * ``conv_transpose{n}d``: input ``[N, C, *spatial]``, weight ``[C, O/groups, *kernel]``, bias ``[O]``,
   output ``[N, O, *out]`` with ``out = (in-1)*stride - 2*pad + dil*(k-1) + output_padding + 1``.
 
-Reference implementation (``device.kernels == "reference"``, plain MLX ops), chosen by profiling on
-a 2-core x86_64 CPU with MLX bound to OpenBLAS (conv2d forward+backward, batch 16, 32->64
-channels, 32x32, 3x3, padding 1; see ``scripts/bench_conv.py``):
+Implementation by ``device.kernels`` (every path is differentiable with ``mx.grad`` /
+``nn.value_and_grad`` in input, weight and bias):
 
-* ``mx.conv_general`` forward + MLX autodiff: ~220 ms;
-* im2col (strided slices of the padded input, stacked) + one batched GEMM, autodiff: ~90 ms;
-* the formulation used here, ~25 ms: im2col + GEMM forward, with a hand-written backward (both
-  ops are wrapped in ``mx.custom_function``):
+* ``"reference"``: `metalnn.functional.conv_im2col.conv_reference` / ``conv_transpose_reference``
+  (im2col + GEMM in plain MLX ops, MLX autodiff).
+* ``"auto"``: MLX's ``mx.conv_general`` (channels moved last and back), except where MLX cannot
+  (grouped 3-D convolutions; transposed convolutions with ``output_padding > padding``, whose MLX
+  input gradient has the wrong shape in MLX 0.32), which run the CPU path below. On the CPU backend
+  every convolution runs the CPU path (`conv_im2col.conv_cpu` / ``conv_transpose_cpu``: im2col +
+  GEMM with a hand-written backward). ``python scripts/bench_kernels.py --ops conv2d,conv_transpose2d``
+  against ``mx.conv_general`` with MLX autodiff (2-core x86_64, shared machine, several runs):
+  conv2d (batch 16, 32 -> 64 channels, 32x32, 3x3) forward on par, forward+backward 2-8x faster;
+  conv_transpose2d (64 -> 32 channels, 16x16, 4x4, stride 2) 4-8x forward, 4-15x forward+backward.
+* ``"metal"``/``"emulate"``: the implicit-GEMM kernels of `metalnn.kernels.conv` (every
+  convolution of one float dtype with no empty axis); otherwise ``"auto"``.
 
-  - ``conv``'s input gradient is ``conv_transpose`` of the output gradient, and
-    ``conv_transpose``'s input gradient is ``conv`` of the output gradient (the two ops are
-    adjoint for the same weight tensor);
-  - ``conv_transpose`` itself runs as one GEMM ``W^T @ pad(x)`` (on the zero-inserted input when
-    stride > 1) followed by a sum of ``prod(kernel)`` shifted *views* of the product (a "gather"
-    col2im: no scatter, no per-offset padding);
-  - weight gradients are one batched GEMM against the im2col matrix (kept from the forward pass
-    for ``conv``; built from the output gradient for ``conv_transpose``).
-
-Every path is differentiable with ``mx.grad`` / ``nn.value_and_grad`` in input, weight and bias.
+Integer inputs are promoted to float32, mixed float dtypes to their common dtype. Empty inputs (a
+zero batch or channel count) give zeros.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import operator
 
 import mlx.core as mx
 
 from ..device import resolve
+from ..kernels import conv as kernels
+from ..op_math import conv_output_size, conv_transpose_output_size
+from ._dispatch import emulator_options, kernel_backend, on_cpu
+from .conv_im2col import conv_cpu, conv_reference, conv_transpose_cpu, conv_transpose_reference
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
            "conv_nd", "conv_transpose_nd", "conv_output_size", "conv_transpose_output_size"]
@@ -55,16 +56,6 @@ def _tuple(value, n, name, op):
         return tuple(operator.index(v) for v in vals)
     except TypeError:
         raise ValueError(f"{op}: {name} must be an int or a tuple of {n} ints, got {value!r}") from None
-
-
-def conv_output_size(size, kernel, stride=1, padding=0, dilation=1):
-    """Output length of a convolution along one axis: ``(in + 2p - d(k-1) - 1) // s + 1``."""
-    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-
-
-def conv_transpose_output_size(size, kernel, stride=1, padding=0, output_padding=0, dilation=1):
-    """Output length of a transposed convolution: ``(in-1)s - 2p + d(k-1) + output_padding + 1``."""
-    return (size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
 
 
 def _check(op, n, x, weight, bias, stride, padding, dilation, groups, output_padding=None, transposed=False):
@@ -127,160 +118,60 @@ def _check(op, n, x, weight, bias, stride, padding, dilation, groups, output_pad
 
 
 # ----------------------------------------------------------------------------------------------
-# building blocks (N-d, channels-first)
+# dispatch
 # ----------------------------------------------------------------------------------------------
-def _pad_or_crop(x, lo_hi, first_axis=2):
-    """Pad (positive) or crop (negative) the trailing axes by ``[(lo, hi), ...]``."""
-    widths = [(0, 0)] * first_axis + [(max(lo, 0), max(hi, 0)) for lo, hi in lo_hi]
-    if any(w != (0, 0) for w in widths):
-        x = mx.pad(x, widths)
-    if any(lo < 0 or hi < 0 for lo, hi in lo_hi):
-        idx = [slice(None)] * first_axis
-        for (lo, hi), size in zip(lo_hi, x.shape[first_axis:]):
-            idx.append(slice(max(-lo, 0), size - max(-hi, 0)))
-        x = x[tuple(idx)]
-    return x
+def mlx_conv_supports(n: int, groups: int, padding=None, output_padding=None) -> bool:
+    """Whether ``mx.conv_general`` computes this convolution and its gradients (MLX 0.32)."""
+    if n == 3 and groups > 1:
+        return False  # "[conv] Can only handle groups != 1 in 1D or 2D convolutions."
+    if output_padding is not None and any(op > p for op, p in zip(output_padding, padding)):
+        return False  # the input gradient comes back smaller than the input
+    return True
 
 
-def _zero_insert(x, stride, first_axis=2):
-    """Insert ``stride-1`` zeros between elements along each trailing spatial axis."""
-    for i, s in enumerate(stride):
-        if s == 1:
-            continue
-        ax = first_axis + i
-        size = x.shape[ax]
-        x = mx.expand_dims(x, ax + 1)
-        widths = [(0, 0)] * x.ndim
-        widths[ax + 1] = (0, s - 1)
-        x = mx.pad(x, widths)
-        shape = list(x.shape)
-        x = x.reshape(shape[:ax] + [size * s] + shape[ax + 2:])
-        idx = [slice(None)] * x.ndim
-        idx[ax] = slice(0, s * (size - 1) + 1)
-        x = x[tuple(idx)]
-    return x
+def conv_mlx(x, weight, stride, padding, dilation, groups):
+    """``mx.conv_general`` in PyTorch layout: x ``[N, C, *S]``, weight ``[O, C/G, *k]``."""
+    y = mx.conv_general(mx.moveaxis(x, 1, -1), mx.moveaxis(weight, 1, -1), stride=list(stride),
+                        padding=list(padding), kernel_dilation=list(dilation), groups=groups)
+    return mx.moveaxis(y, -1, 1)
 
 
-def _im2col(x, kernel, stride, padding, dilation, out):
-    """``[N, C, *S]`` -> ``[N, C, K, prod(out)]`` with ``K = prod(kernel)`` (kernel offsets row-major)."""
-    n, c = x.shape[:2]
-    xp = _pad_or_crop(x, [(p, p) for p in padding])
-    # Keep only the extent the windows touch (PyTorch floors the output size).
-    pieces = []
-    for offs in itertools.product(*[range(k) for k in kernel]):
-        idx = [slice(None), slice(None)]
-        for o, d, s, sz in zip(offs, dilation, stride, out):
-            start = o * d
-            idx.append(slice(start, start + s * (sz - 1) + 1, s))
-        pieces.append(xp[tuple(idx)])
-    if len(pieces) == 1:
-        cols = mx.expand_dims(pieces[0], 2)
-    else:
-        cols = mx.stack(pieces, axis=2)
-    return cols.reshape(n, c, len(pieces), math.prod(out))
+def conv_transpose_mlx(x, weight, stride, padding, output_padding, dilation, groups):
+    """Transposed convolution through ``mx.conv_general`` (input dilation, flipped kernel).
 
-
-def _conv_forward(x, weight, stride, padding, dilation, groups, out):
-    """Conv via im2col + one batched GEMM; returns ``(y [N, O, *out], cols [N, G, C/G*K, P])``."""
-    n, c = x.shape[:2]
-    o = weight.shape[0]
-    kernel = tuple(weight.shape[2:])
-    cols = _im2col(x, kernel, stride, padding, dilation, out)
-    cols = cols.reshape(n, groups, (c // groups) * math.prod(kernel), math.prod(out))
-    wm = weight.reshape(groups, o // groups, -1)
-    y = wm @ cols
-    return y.reshape(n, o, *out), cols
-
-
-def _conv_transpose_forward(x, weight, stride, padding, dilation, groups, out):
-    """Transposed conv as ``W^T @ pad(zero_insert(x))`` + a sum of shifted views.
-
-    ``weight`` is ``[C, O/G, *k]``; ``out`` the output spatial shape (output_padding included).
+    x ``[N, C, *S]``, weight ``[C, O/G, *k]``. The zero-inserted input is padded by
+    ``lo = d(k-1) - p`` before and ``lo + output_padding`` after; MLX gets one symmetric padding
+    (the larger of the two, at least 0) and the surplus is cropped.
     """
-    n, c = x.shape[:2]
-    og = weight.shape[1]
-    o = og * groups
+    c, og = weight.shape[:2]
     kernel = tuple(weight.shape[2:])
-    K = math.prod(kernel)
-    xs = _zero_insert(x, stride)
-    # xpad[q] = xs[q - lo] with lo = d(k-1) - p; length out + d(k-1).
-    lohi = []
-    for size, k, p, d, so in zip(xs.shape[2:], kernel, padding, dilation, out):
-        lo = d * (k - 1) - p
-        hi = so + d * (k - 1) - size - lo
-        lohi.append((lo, hi))
-    xp = _pad_or_crop(xs, lohi)
-    qshape = tuple(xp.shape[2:])
-    xm = xp.reshape(n, groups, c // groups, math.prod(qshape))
-    # [G, C/G, O/G*K] -> transposed: [G, O/G*K, C/G]
-    wt = weight.reshape(groups, c // groups, og * K).swapaxes(1, 2)
-    prod = (wt @ xm).reshape(n, o, K, *qshape)
-    y = None
-    for ki, offs in enumerate(itertools.product(*[range(k) for k in kernel])):
-        idx = [slice(None), slice(None), ki]
-        for off, k, d, so in zip(offs, kernel, dilation, out):
-            start = d * (k - 1 - off)
-            idx.append(slice(start, start + so))
-        v = prod[tuple(idx)]
-        y = v if y is None else y + v
-    return y
+    w = weight.reshape(groups, c // groups, og, *kernel)
+    w = mx.moveaxis(w, 1, -1).reshape(groups * og, *kernel, c // groups)
+    lo = [d * (k - 1) - p for k, p, d in zip(kernel, padding, dilation)]
+    hi = [a + op for a, op in zip(lo, output_padding)]
+    pad = [max(0, a, b) for a, b in zip(lo, hi)]
+    y = mx.conv_general(mx.moveaxis(x, 1, -1), w, stride=1, padding=pad, kernel_dilation=list(dilation),
+                        input_dilation=list(stride), groups=groups, flip=True)
+    crop = tuple(slice(P - a, size - (P - b)) for P, a, b, size in zip(pad, lo, hi, y.shape[1:-1]))
+    return mx.moveaxis(y[(slice(None),) + crop], -1, 1)
 
 
-def _weight_grad(a, cols, weight_shape, groups):
-    """``sum_n a[n] @ cols[n]^T`` per group: a ``[N, A, P]``, cols ``[N, G, B, P]`` -> ``[G, A/G, B]``."""
-    n = a.shape[0]
-    am = a.reshape(n, groups, a.shape[1] // groups, -1)
-    g = (am @ cols.swapaxes(2, 3)).sum(axis=0)
-    return g.reshape(weight_shape)
+def _promote(x, weight):
+    dtype = mx.result_type(x.dtype, weight.dtype)
+    if not mx.issubdtype(dtype, mx.floating):
+        dtype = mx.float32
+    return x.astype(dtype), weight.astype(dtype)
 
 
-def _make_conv(stride, padding, dilation, groups, out, in_spatial):
-    @mx.custom_function
-    def conv(x, weight):
-        return _conv_forward(x, weight, stride, padding, dilation, groups, out)
-
-    @conv.vjp
-    def conv_vjp(primals, cotangents, outputs):
-        x, weight = primals
-        dy = cotangents[0]
-        cols = outputs[1]
-        # Input gradient: the adjoint op, sized back to the input (output_padding absorbs the floor).
-        dx = _conv_transpose_forward(dy, weight, stride, padding, dilation, groups, in_spatial)
-        dw = _weight_grad(dy.reshape(dy.shape[0], dy.shape[1], -1), cols, weight.shape, groups)
-        return dx.astype(x.dtype), dw.astype(weight.dtype)
-
-    return conv
-
-
-def _make_conv_transpose(stride, padding, dilation, groups, out, in_spatial):
-    @mx.custom_function
-    def tconv(x, weight):
-        return _conv_transpose_forward(x, weight, stride, padding, dilation, groups, out)
-
-    @tconv.vjp
-    def tconv_vjp(primals, cotangents, output):
-        x, weight = primals
-        dy = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
-        # dx = conv(dy, W) (W read as a conv weight [C, O/G, *k] mapping O -> C channels).
-        dx, cols = _conv_forward(dy, weight, stride, padding, dilation, groups, in_spatial)
-        dw = _weight_grad(x.reshape(x.shape[0], x.shape[1], -1), cols, weight.shape, groups)
-        return dx.astype(x.dtype), dw.astype(weight.dtype)
-
-    return tconv
+def _empty(x, weight, out_channels, out):
+    # Zeros that still depend on x and weight, so that their gradients are (zero) arrays.
+    return mx.zeros((x.shape[0], out_channels, *out), dtype=x.dtype) + 0 * (x.sum() + weight.sum())
 
 
 def _add_bias(y, bias, n):
     if bias is None:
         return y
     return y + bias.astype(y.dtype).reshape((1, -1) + (1,) * n)
-
-
-def _kernels_path(op, device):
-    if device.kernels == "reference":
-        return None
-    from ..kernels import conv as kernel
-
-    return kernel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,11 +182,18 @@ def conv_nd(n, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, 
     op = op or f"conv{n}d"
     stride, padding, dilation, _, out = _check(op, n, x, weight, bias, stride, padding, dilation, groups)
     device = resolve(device)
-    kernel = _kernels_path(op, device)
-    if kernel is not None:
-        return kernel.conv_nd(n, x, weight, bias, stride, padding, dilation, groups, device)
-    fn = _make_conv(stride, padding, dilation, groups, out, tuple(x.shape[2:]))
-    y = fn(x, weight)[0]
+    x, weight = _promote(x, weight)
+    backend = kernel_backend(device)
+    if x.size == 0 or weight.size == 0:
+        y = _empty(x, weight, weight.shape[0], out)
+    elif device.kernels == "reference":
+        y = conv_reference(x, weight, stride, padding, dilation, groups, out)
+    elif backend and kernels.supports(x, weight):
+        y = kernels.conv(x, weight, stride, padding, dilation, groups, backend, emulator_options(device))
+    elif not on_cpu() and mlx_conv_supports(n, groups):
+        y = conv_mlx(x, weight, stride, padding, dilation, groups)
+    else:
+        y = conv_cpu(x, weight, stride, padding, dilation, groups, out)
     return _add_bias(y, bias, n)
 
 
@@ -306,12 +204,19 @@ def conv_transpose_nd(n, x, weight, bias=None, stride=1, padding=0, output_paddi
     stride, padding, dilation, output_padding, out = _check(op, n, x, weight, bias, stride, padding, dilation,
                                                             groups, output_padding, transposed=True)
     device = resolve(device)
-    kernel = _kernels_path(op, device)
-    if kernel is not None:
-        return kernel.conv_transpose_nd(n, x, weight, bias, stride, padding, output_padding, dilation, groups,
-                                        device)
-    fn = _make_conv_transpose(stride, padding, dilation, groups, out, tuple(x.shape[2:]))
-    y = fn(x, weight)
+    x, weight = _promote(x, weight)
+    backend = kernel_backend(device)
+    args = (stride, padding, output_padding, dilation, groups)
+    if x.size == 0 or weight.size == 0:
+        y = _empty(x, weight, weight.shape[1] * groups, out)
+    elif device.kernels == "reference":
+        y = conv_transpose_reference(x, weight, *args, out)
+    elif backend and kernels.supports(x, weight):
+        y = kernels.conv_transpose(x, weight, *args, backend, emulator_options(device))
+    elif not on_cpu() and mlx_conv_supports(n, groups, padding, output_padding):
+        y = conv_transpose_mlx(x, weight, *args)
+    else:
+        y = conv_transpose_cpu(x, weight, *args, out)
     return _add_bias(y, bias, n)
 
 

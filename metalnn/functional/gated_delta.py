@@ -17,17 +17,19 @@ Per head and token (``S`` is ``K x V``)::
     S = S + k_t ((v_t - S^T k_t) * beta_t)^T
     o_t = S^T q_t
 
-Implementations (``mode`` and ``device.kernels``):
+Forms (``mode``), all differentiable:
 
-* ``"recurrent"``: the per-token loop above in MLX ops (cheapest for short T and decoding).
-* ``"chunk"``: the chunked WY form in MLX ops: inside chunks of ``chunk_size`` tokens everything is
-  matrix products; only the unit lower-triangular inverse and the chunk-to-chunk state pass are
-  sequential. Fast for prefill and training.
+* ``"recurrent"``: the per-token loop above in plain MLX ops (cheapest for short T and decoding).
+* ``"chunk"``: the chunked WY form in plain MLX ops: inside chunks of ``chunk_size`` tokens
+  everything is matrix products; only the unit lower-triangular inverse and the chunk-to-chunk
+  state pass are sequential. Fast for prefill and training.
 * ``"kernel"``: the Metal kernels of ``metal_kernels/gated_delta.metal`` (forward recurrence with
   state checkpoints, reverse-time backward kernel); needs ``device.kernels`` ``"metal"`` or
-  ``"emulate"``.
-* ``"auto"``: ``"kernel"`` on ``"metal"``/``"emulate"`` devices; on ``"reference"`` devices
-  ``"recurrent"`` for ``T < 16`` and ``"chunk"`` otherwise.
+  ``"emulate"`` and a key head dimension of at most 256.
+* ``"auto"`` picks by ``device.kernels``: ``"reference"`` runs ``"recurrent"`` (the definition);
+  ``"auto"`` runs ``"recurrent"`` for ``T < 16`` and ``"chunk"`` otherwise (MLX has no fused
+  op for this rule); ``"metal"``/``"emulate"`` run ``"kernel"`` where the kernels take the
+  shapes, else as ``"auto"``.
 
 Every path is differentiable (MLX autodiff for the reference forms, a custom VJP for the kernels)
 in ``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state``.
@@ -38,6 +40,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..device import resolve
+from ..kernels import gated_delta as kernels
+from ._dispatch import emulator_options, kernel_backend
 
 __all__ = ["gated_delta_rule", "gated_delta_recurrent", "gated_delta_chunk", "l2norm"]
 
@@ -197,18 +201,23 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state: b
     out_dtype = q.dtype
     qf, kf, vf, gf, bf, h0 = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, scale)
     T = qf.shape[1]
+    backend = kernel_backend(device)
     if mode == "auto":
-        if device.kernels in ("metal", "emulate"):
+        if backend and kernels.supports(qf, vf):
             mode = "kernel"
+        elif device.kernels == "reference":
+            mode = "recurrent"
         else:
             mode = "recurrent" if T < _RECURRENT_BELOW else "chunk"
     if mode == "kernel":
-        if device.kernels not in ("metal", "emulate"):
+        if not backend:
             raise ValueError(f"gated_delta_rule: mode='kernel' needs a device with kernels 'metal' or 'emulate', "
                              f"got {device.kernels!r}")
-        from ..kernels import gated_delta as kernel
-
-        o, state = kernel.gated_delta(qf, kf, vf, gf, bf, h0, device)
+        if not kernels.supports(qf, vf):
+            raise ValueError(f"gated_delta_rule: mode='kernel' takes a key head dimension of at most "
+                             f"{kernels.MAX_K} and no empty batch, head or value axis; got q {tuple(q.shape)}, "
+                             f"v {tuple(v.shape)}")
+        o, state = kernels.gated_delta(qf, kf, vf, gf, bf, h0, backend, emulator_options(device))
     elif mode == "chunk":
         o, state = gated_delta_chunk(qf, kf, vf, gf, bf, h0, chunk_size)
     else:

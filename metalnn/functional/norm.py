@@ -1,10 +1,12 @@
-"""RMS normalisation."""
+"""RMS and layer normalisation."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from ..device import resolve
+from ..kernels import rms_norm as kernels
+from ._dispatch import emulator_options, kernel_backend
 
 
 def rms_norm_reference(x, weight, eps: float):
@@ -27,21 +29,25 @@ def rms_norm_reference(x, weight, eps: float):
 def rms_norm(x, weight, eps: float = 1e-5, device=None):
     """RMS-normalise the last axis of ``x`` (``[..., D]``) and scale by ``weight`` (``[D]`` or None).
 
-    Same semantics as ``mx.fast.rms_norm``. Differentiable in ``x`` and ``weight`` on every path.
+    Same semantics as ``mx.fast.rms_norm``; differentiable in ``x`` and ``weight``. Implementation by
+    ``device.kernels``: ``"reference"`` `rms_norm_reference`; ``"auto"`` ``mx.fast.rms_norm``;
+    ``"metal"``/``"emulate"`` the kernels of `metalnn.kernels.rms_norm` (float32/float16/bfloat16,
+    non-empty), else ``mx.fast.rms_norm``.
     """
     device = resolve(device)
     if weight is not None and weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if device.kernels == "reference":
         return rms_norm_reference(x, weight, eps)
-    from ..kernels import rms_norm as kernel
-
-    return kernel.rms_norm(x, weight, eps, device)
+    backend = kernel_backend(device)
+    if backend and kernels.supports(x, weight):
+        return kernels.rms_norm(x, weight, eps, backend, emulator_options(device))
+    return mx.fast.rms_norm(x, weight, eps)
 
 
 def layer_norm_reference(x, weight, bias, eps: float):
-    """``(x - mean) * rsqrt(var + eps) * weight + bias`` over the last axis in plain MLX ops (float32
-    statistics). x ``[..., D]``, weight/bias ``[D]`` or None; returns ``[..., D]`` in ``x.dtype``."""
+    """``(x - mean) * rsqrt(var + eps) * weight + bias`` over the last axis in plain MLX ops
+    (statistics in float32; result in ``x.dtype``)."""
     xf = x.astype(mx.float32)
     mean = mx.mean(xf, axis=-1, keepdims=True)
     var = mx.mean(mx.square(xf - mean), axis=-1, keepdims=True)
@@ -54,15 +60,16 @@ def layer_norm_reference(x, weight, bias, eps: float):
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, device=None):
-    """Layer-normalise the last axis of ``x`` (``[..., D]``): ``mx.fast.layer_norm`` semantics.
+    """Layer-normalise the last axis of ``x`` (``[..., D]``); ``weight``/``bias`` ``[D]`` or None.
 
-    ``"reference"`` devices run plain MLX ops; every other device MLX's fused ``mx.fast.layer_norm``
-    (metalnn has no custom kernel for it).
+    Same semantics as ``mx.fast.layer_norm``; differentiable in every input. Implementation by
+    ``device.kernels``: ``"reference"`` `layer_norm_reference`; every other choice
+    ``mx.fast.layer_norm`` (metalnn has no custom kernel for it).
     """
     device = resolve(device)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and p.shape != (x.shape[-1],):
-            raise ValueError(f"layer_norm: {name} must have shape ({x.shape[-1]},), got {tuple(p.shape)}")
+    for name, a in (("weight", weight), ("bias", bias)):
+        if a is not None and a.shape != (x.shape[-1],):
+            raise ValueError(f"layer_norm: {name} must have shape ({x.shape[-1]},), got {tuple(a.shape)}")
     if device.kernels == "reference":
         return layer_norm_reference(x, weight, bias, eps)
     return mx.fast.layer_norm(x, weight, bias, eps)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..device import resolve
+from ..kernels import rope as kernels
+from ..op_math import rope_frequencies
+from ._dispatch import emulator_options, kernel_backend
 
-
-def rope_frequencies(dims: int, base: float = 10000.0, freqs=None):
-    """Inverse frequencies ``base^(-2i/dims)`` for ``i < dims/2`` (or the given ``freqs``), float32."""
-    if freqs is not None:
-        return 1.0 / mx.array(freqs, dtype=mx.float32)
-    return mx.power(mx.array(base, mx.float32), -mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+__all__ = ["rope", "rope_reference", "rope_frequencies"]
 
 
 def rope_reference(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: float = 1.0,
@@ -44,14 +42,31 @@ def rope_reference(x, dims: int, traditional: bool = False, base: float = 10000.
     return out.astype(x.dtype)
 
 
+def _rope_mlx(x, dims, traditional, base, scale, offset, freqs):
+    """``mx.fast.rope`` (which wants at least 3 axes) on ``x [..., T, D]``."""
+    x3 = x.reshape(-1, *x.shape[-2:]) if x.ndim != 3 else x
+    if freqs is not None:
+        freqs, base = mx.array(freqs, dtype=mx.float32), None
+    y = mx.fast.rope(x3, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+    return y.reshape(x.shape)
+
+
 def rope(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: float = 1.0, offset=0,
          freqs=None, device=None):
-    """Rotary position embedding of ``x`` ``[..., T, D]``; same semantics as ``mx.fast.rope``."""
+    """Rotary position embedding of ``x`` ``[..., T, D]``; same semantics as ``mx.fast.rope``.
+
+    Differentiable in ``x``. Implementation by ``device.kernels``: ``"reference"`` `rope_reference`;
+    ``"auto"`` ``mx.fast.rope``; ``"metal"``/``"emulate"`` the kernel of `metalnn.kernels.rope`
+    (float32/float16/bfloat16, non-empty), else ``mx.fast.rope``.
+    """
     device = resolve(device)
+    if x.ndim < 2:
+        raise ValueError(f"rope: x must be [..., T, D], got shape {tuple(x.shape)}")
     if dims % 2 or dims <= 0 or dims > x.shape[-1]:
         raise ValueError(f"rope: dims must be even and in (0, {x.shape[-1]}], got {dims}")
     if device.kernels == "reference":
         return rope_reference(x, dims, traditional, base, scale, offset, freqs)
-    from ..kernels import rope as kernel
-
-    return kernel.rope(x, dims, traditional, base, scale, offset, freqs, device)
+    backend = kernel_backend(device)
+    if backend and kernels.supports(x, dims):
+        return kernels.rope(x, dims, traditional, base, scale, offset, freqs, backend, emulator_options(device))
+    return _rope_mlx(x, dims, traditional, base, scale, offset, freqs)

@@ -6,23 +6,32 @@ it: ``attention_backward_dq`` (per query row; also writes ``delta = rowsum(dO * 
 ``attention_backward_dkv`` (per key row, summing over every query head of its kv group). No
 ``Tq x Tk`` matrix is materialised and K/V are never repeated for grouped-query attention.
 
-Not handled by the kernels (these run through ``mx.fast.scaled_dot_product_attention`` via
-`metalnn.functional.attention_reference`, which is differentiable, so results and gradients stay
-correct): an explicit ``mask`` array, ``head_dim > MAX_HEAD_DIM``, and empty inputs.
+`supports` says which calls the kernels take: no explicit ``mask`` array, ``head_dim <=
+MAX_HEAD_DIM``, non-empty float inputs. `metalnn.functional.attention` runs the others on MLX's
+own attention.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
-from .launch import run
+from . import launch
 
 FAMILY = "attention"
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 SIMD = 32
 ROWS_PER_THREADGROUP = 4          # SIMD groups (rows) per threadgroup
 MAX_HEAD_DIM = 256                # 8 registers per lane
 TILE_FLOATS = 3072                # floats per threadgroup tile: two tiles use 24 KiB of the 32 KiB
+
+
+def supports(q, k, v, mask) -> bool:
+    """Whether the kernels take q ``[B, Hq, Tq, D]``, k/v ``[B, Hkv, Tk, D]`` and ``mask``."""
+    return (mask is None and q.shape[-1] <= MAX_HEAD_DIM and min(*q.shape, k.shape[2]) > 0
+            and q.dtype in DTYPES)
 
 
 def tiling(head_dim: int):
@@ -38,54 +47,50 @@ def _grid(rows: int, heads: int, batch: int):
     return (blocks * tg, heads, batch), (tg, 1, 1)
 
 
-def _fallback(q, k, v, scale, causal, mask, offset):
-    from ..functional.attention import attention_reference
-
-    return attention_reference(q, k, v, scale, causal, mask, offset)
-
-
-def attention(q, k, v, scale: float, causal: bool, mask, offset: int, device):
-    """Kernel-backed ``F.attention``: q ``[B, Hq, Tq, D]``, k/v ``[B, Hkv, Tk, D]``.
-
-    ``offset`` is the position of query 0 among the keys (query ``i`` sees keys ``j <= offset + i``
-    when ``causal``). With a ``mask`` the computation falls back to the reference path (see the
-    module docstring).
-    """
+def _sizes(q, k, scale, causal, offset):
     B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    if mask is not None or D > MAX_HEAD_DIM or min(B, Hq, Tq, Tk, D) == 0:
-        return _fallback(q, k, v, scale, causal, mask, offset)
+    return [scale, int(causal), offset, Tq, k.shape[2], D, Hq, k.shape[1]]
 
-    backend = device.kernels
-    opts = getattr(device, "emulator_options", None)
-    dtype = q.dtype
-    k = k.astype(dtype)
-    v = v.astype(dtype)
-    scale = float(scale)
-    dl, bk = tiling(D)
-    template = [("T", dtype), ("DL", dl), ("BK", bk)]
-    sizes = [scale, int(bool(causal)), int(offset), Tq, Tk, D, Hq, Hkv]
+
+@lru_cache(maxsize=None)
+def _function(backend: str, scale: float, causal: bool, options: tuple):
+    def launch_kernel(name, inputs, shapes, dtypes, rows, heads, batch, head_dim, dtype):
+        grid, tg = _grid(rows, heads, batch)
+        dl, bk = tiling(head_dim)
+        return launch.run(FAMILY, name, backend, inputs, shapes, dtypes, grid=grid, threadgroup=tg,
+                          template=[("T", dtype), ("DL", dl), ("BK", bk)], emulator_options=options)
 
     @mx.custom_function
-    def fn(q, k, v):
-        grid, tg = _grid(Tq, Hq, B)
-        o, lse = run(FAMILY, "attention_forward", backend, [q, k, v, *sizes], [q.shape, (B, Hq, Tq)],
-                     [dtype, mx.float32], grid=grid, threadgroup=tg, template=template, emulator_options=opts)
-        return o, lse
+    def fn(q, k, v, offset):
+        B, Hq, Tq, D = q.shape
+        sizes = _sizes(q, k, scale, causal, offset)
+        return launch_kernel("attention_forward", [q, k, v, *sizes], [q.shape, (B, Hq, Tq)], [q.dtype, mx.float32],
+                             Tq, Hq, B, D, q.dtype)
 
     @fn.vjp
     def fn_vjp(primals, cotangents, outputs):
-        q, k, v = primals
-        do = cotangents[0].astype(dtype)
+        q, k, v, offset = primals
+        B, Hq, Tq, D = q.shape
+        sizes = _sizes(q, k, scale, causal, offset)
+        do = cotangents[0].astype(q.dtype)
         o, lse = outputs
-        grid, tg = _grid(Tq, Hq, B)
-        dq, delta = run(FAMILY, "attention_backward_dq", backend, [q, k, v, o, do, lse, *sizes],
-                        [q.shape, (B, Hq, Tq)], [dtype, mx.float32], grid=grid, threadgroup=tg,
-                        template=template, emulator_options=opts)
-        grid, tg = _grid(Tk, Hkv, B)
-        dk, dv = run(FAMILY, "attention_backward_dkv", backend, [q, k, v, do, lse, delta, *sizes],
-                     [k.shape, v.shape], [dtype, dtype], grid=grid, threadgroup=tg, template=template,
-                     emulator_options=opts)
-        return dq, dk, dv
+        dq, delta = launch_kernel("attention_backward_dq", [q, k, v, o, do, lse, *sizes], [q.shape, (B, Hq, Tq)],
+                                  [q.dtype, mx.float32], Tq, Hq, B, D, q.dtype)
+        dk, dv = launch_kernel("attention_backward_dkv", [q, k, v, do, lse, delta, *sizes], [k.shape, v.shape],
+                               [q.dtype, q.dtype], k.shape[2], k.shape[1], B, D, q.dtype)
+        return dq, dk, dv, mx.zeros_like(offset)
 
-    return fn(q, k, v)[0]
+    return fn
+
+
+def attention(q, k, v, scale: float, causal: bool, offset, backend: str, emulator_options=()):
+    """``softmax(q k^T * scale) v`` on the kernels: q ``[B, Hq, Tq, D]``, k/v ``[B, Hkv, Tk, D]``.
+
+    Check `supports` first. ``offset`` (an int or 0-d int array) is the position of query 0 among
+    the keys: with ``causal`` query ``i`` sees keys ``j <= offset + i``; a row that sees no key
+    gives zeros. k and v are cast to ``q.dtype``. Returns ``[B, Hq, Tq, D]``; differentiable in
+    q, k and v.
+    """
+    offset = mx.array(offset).astype(mx.int32).reshape(())
+    fn = _function(backend, float(scale), bool(causal), launch.options_key(emulator_options))
+    return fn(q, k.astype(q.dtype), v.astype(q.dtype), offset)[0]

@@ -2,13 +2,10 @@
 
 `gated_delta` takes the *prepared* float32 tensors of `metalnn.functional.gated_delta_rule` (q
 scaled, q/k heads already repeated to the value heads) and returns ``(o, final_state)``. It is an
-``mx.custom_function``: the forward kernel also stores the state every `CHECKPOINT` tokens, and the
-VJP runs the backward kernel, which recomputes the states inside each checkpoint interval and walks
-the tokens in reverse.
-
-The backward kernel accumulates dq, dk, dg and dbeta with atomic adds, so it is launched with
-``atomic_outputs=True`` (launch.run builds plain kernels only; the two kernels here are built the
-same way with that flag and recorded in ``launch.EMULATED``).
+``mx.custom_function`` (built once per backend and emulator options): the forward kernel also
+stores the state every `CHECKPOINT` tokens, and the VJP runs the backward kernel, which recomputes
+the states inside each checkpoint interval and walks the tokens in reverse. The backward kernel
+accumulates dq, dk, dg and dbeta with atomic adds into zero-initialised outputs.
 """
 
 from __future__ import annotations
@@ -16,9 +13,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
-import numpy as np
-
-import metal_kernels
 
 from . import launch
 
@@ -28,34 +22,21 @@ FAMILY = "gated_delta"
 CHECKPOINT = 16
 #: Most SIMD groups (value columns) per threadgroup.
 MAX_SIMDGROUPS = 8
+#: Largest key head dimension: each lane keeps NK = ceil(K / 32) state rows in registers (and
+#: CHECKPOINT times that in the backward kernel's history); the backward kernel's threadgroup
+#: arrays take (2 * NK * 32 + 2) * SG floats, under 32 KiB for NK <= 8 and SG <= MAX_SIMDGROUPS.
+MAX_K = 256
 
 
-@lru_cache(maxsize=None)
-def _kernel(name: str, backend: str, atomic: bool):
-    src = metal_kernels.load(FAMILY)[name]
-    kwargs = dict(name=f"{FAMILY}_{name}", input_names=list(src.inputs), output_names=list(src.outputs),
-                  source=src.body, header=src.header, atomic_outputs=atomic)
-    if backend == "metal":
-        return mx.fast.metal_kernel(**kwargs)
-    from metal_kernels.emulator import metal_kernel
-
-    return metal_kernel(**kwargs)
+def supports(q, v) -> bool:
+    """Whether the kernels take prepared q ``[B, T, H, K]`` and v ``[B, T, H, V]``: ``K <= MAX_K``,
+    no empty axis except T."""
+    B, T, H, K = q.shape
+    return 0 < K <= MAX_K and min(B, H, v.shape[-1]) > 0
 
 
-def _run(name, backend, inputs, output_shapes, grid, threadgroup, template, atomic=False, opts=None):
-    kwargs = dict(output_shapes=[tuple(int(d) for d in s) for s in output_shapes],
-                  output_dtypes=[mx.float32] * len(output_shapes), grid=tuple(int(d) for d in grid),
-                  threadgroup=tuple(int(d) for d in threadgroup), template=list(template))
-    if atomic:
-        kwargs["init_value"] = 0
-    if backend == "metal":
-        return list(_kernel(name, backend, atomic)(inputs=list(inputs), **kwargs))
-    if backend == "emulate":
-        launch.EMULATED.add((FAMILY, name))
-        ins = [np.array(a) if isinstance(a, mx.array) else a for a in inputs]
-        outs = _kernel(name, backend, atomic)(inputs=ins, **kwargs, **(opts or {}))
-        return [mx.array(np.asarray(o, dtype=np.float32)) for o in outs]
-    raise ValueError(f"kernel backend must be 'metal' or 'emulate', got {backend!r}")
+def _registers(K: int) -> int:
+    return -(-K // 32)
 
 
 def _simdgroups(V: int) -> int:
@@ -63,39 +44,46 @@ def _simdgroups(V: int) -> int:
     return max(d for d in range(1, min(V, MAX_SIMDGROUPS) + 1) if V % d == 0)
 
 
-def gated_delta(q, k, v, g, beta, h0, device):
-    """Kernel-backed recurrence on prepared float32 inputs: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``,
-    g, beta ``[B, T, H]``, h0 ``[B, H, K, V]``. Returns ``(o [B, T, H, V], state [B, H, K, V])``."""
-    backend = device.kernels
-    opts = getattr(device, "emulator_options", None)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if T == 0:
-        return mx.zeros(v.shape, mx.float32), h0
-    nk = -(-K // 32)
-    ck = CHECKPOINT  # fixed, so that T does not change the compiled variant
-    nc = -(-T // ck)
-    sg = _simdgroups(V)
-    dims = [T, H, K, V]
-    grid = (32, V, B * H)
-    tg = (32, sg, 1)
+@lru_cache(maxsize=None)
+def _function(backend: str, options: tuple):
+    def dims(q, v):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        sg = _simdgroups(V)
+        return B, T, H, K, V, sg, (32, V, B * H), (32, sg, 1)
 
     @mx.custom_function
     def fn(q, k, v, g, beta, h0):
-        return _run("gated_delta_forward", backend, [q, k, v, g, beta, h0] + dims,
-                    [(B, T, H, V), (B, H, K, V), (B, H, nc, K, V)], grid, tg,
-                    [("NK", nk), ("CK", ck)], opts=opts)
+        B, T, H, K, V, sg, grid, tg = dims(q, v)
+        nc = -(-T // CHECKPOINT)
+        return launch.run(FAMILY, "gated_delta_forward", backend, [q, k, v, g, beta, h0, T, H, K, V],
+                          [(B, T, H, V), (B, H, K, V), (B, H, nc, K, V)], [mx.float32] * 3, grid=grid,
+                          threadgroup=tg, template=[("NK", _registers(K)), ("CK", CHECKPOINT)],
+                          emulator_options=options)
 
     @fn.vjp
     def fn_vjp(primals, cotangents, outputs):
         q, k, v, g, beta, _ = primals
-        d_o, d_ht = cotangents[0], cotangents[1]
-        ckpt = outputs[2]
-        return tuple(_run("gated_delta_backward", backend,
-                          [q, k, v, g, beta, ckpt, d_o.astype(mx.float32), d_ht.astype(mx.float32)] + dims,
-                          [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (B, H, K, V)],
-                          grid, tg, [("NK", nk), ("CK", ck), ("SG", sg)], atomic=True, opts=opts))
+        B, T, H, K, V, sg, grid, tg = dims(q, v)
+        d_o, d_ht = (c.astype(mx.float32) for c in cotangents[:2])
+        shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (B, H, K, V)]
+        return tuple(launch.run(FAMILY, "gated_delta_backward", backend,
+                                [q, k, v, g, beta, outputs[2], d_o, d_ht, T, H, K, V], shapes,
+                                [mx.float32] * len(shapes), grid=grid, threadgroup=tg,
+                                template=[("NK", _registers(K)), ("CK", CHECKPOINT), ("SG", sg)],
+                                init_value=0, atomic_outputs=True, emulator_options=options))
 
+    return fn
+
+
+def gated_delta(q, k, v, g, beta, h0, backend: str, emulator_options=()):
+    """The recurrence on prepared float32 inputs: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g, beta
+    ``[B, T, H]``, h0 ``[B, H, K, V]``. Check `supports` first.
+
+    Returns ``(o [B, T, H, V], state [B, H, K, V])``, differentiable in every input.
+    """
+    if q.shape[1] == 0:
+        return mx.zeros(v.shape, mx.float32), h0
     args = [mx.contiguous(a.astype(mx.float32)) for a in (q, k, v, g, beta, h0)]
-    o, ht, _ = fn(*args)
+    o, ht, _ = _function(backend, launch.options_key(emulator_options))(*args)
     return o, ht

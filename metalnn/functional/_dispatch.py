@@ -1,0 +1,33 @@
+"""How the ops of `metalnn.functional` read a `Device`'s kernel choice.
+
+``device.kernels`` names the implementation (see `metalnn.Device`):
+
+* ``"reference"``: the op spelled out in plain MLX ops, differentiated by MLX (the oracle of the
+  kernel tests);
+* ``"auto"``: MLX's own fused op where MLX has one (``mx.fast.*``, ``mx.conv_general``), else plain
+  MLX ops; on the CPU backend a metalnn CPU path stands in where it was measured faster (each op's
+  docstring names the substitution and its benchmark);
+* ``"metal"`` / ``"emulate"``: metalnn's custom kernels (`metalnn.kernels`) through
+  ``mx.fast.metal_kernel`` / the CPU emulator, for the calls their ``supports`` accepts; other
+  calls run the ``"auto"`` implementation.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+KERNEL_BACKENDS = ("metal", "emulate")
+
+
+def kernel_backend(device) -> str | None:
+    """``"metal"`` or ``"emulate"`` when the device asks for the custom kernels, else None."""
+    return device.kernels if device.kernels in KERNEL_BACKENDS else None
+
+
+def emulator_options(device) -> dict:
+    return dict(getattr(device, "emulator_options", None) or {}) if device.kernels == "emulate" else {}
+
+
+def on_cpu() -> bool:
+    """Whether MLX's default device (the one ops run on now) is the CPU."""
+    return mx.default_device().type == mx.DeviceType.cpu
