@@ -193,3 +193,18 @@ def test_trainer_resume_goes_through_the_one_strict_loader(tmp_path):
     with pytest.raises(mn.WeightLoadError, match="mismatched"):
         mn.Trainer(other, optim.SGD(0.1), loss_fn, mn.Device(), progress=False).resume(tmp_path)
     np.testing.assert_array_equal(np.array(other.layers[0].weight), before)
+
+
+def test_reference_devices_run_plain_activation_formulas(monkeypatch):
+    """"reference" means plain MLX ops for activations too; other choices use the fast primitives."""
+    import metalnn.functional.activation as act
+
+    calls = []
+    monkeypatch.setitem(act.FAST, "silu", lambda x: calls.append("fast") or act.PLAIN["silu"](x))
+    layer = mn.SwiGLU(8)
+    x = mx.ones((2, 4))
+    ref = layer(x, device=mn.Device(kernels="reference"))
+    assert calls == []
+    fast = layer(x, device=mn.Device(kernels="auto"))
+    assert calls == ["fast"]
+    np.testing.assert_allclose(np.array(fast), np.array(ref), atol=1e-6)

@@ -1,78 +1,23 @@
-"""Element-wise activations: the one registry of activation names, and their layers.
-
-Names mean what they mean in mlx.nn (and PyTorch, and Hugging Face configs): ``"gelu"`` is the
-exact erf form; ``"gelu_approx"`` / ``"gelu_tanh"`` (Hugging Face: ``"gelu_new"``,
-``"gelu_pytorch_tanh"``) the tanh approximation; ``"gelu_fast"`` ``x * sigmoid(1.702 x)``.
-"""
+"""Element-wise activation layers. The names and formulas live in `metalnn.functional.activation`
+(one registry, mlx.nn's meanings: ``"gelu"`` is exact, ``"gelu_approx"`` the tanh form)."""
 
 from __future__ import annotations
 
-import math
-
-import mlx.core as mx
-
-from .. import fastmath
+from .. import functional as F
 from ..data import Data
 from ..layer import Layer
-
-
-def gelu(x):
-    """Exact GELU: ``0.5 x (1 + erf(x / sqrt(2)))``."""
-    return 0.5 * x * (1 + mx.erf(x * (1 / math.sqrt(2))))
-
-
-def gelu_fast(x):
-    """``x * sigmoid(1.702 x)`` (mlx.nn's ``gelu_fast_approx``)."""
-    return x * fastmath.sigmoid(1.702 * x)
-
-
-def relu2(x):
-    """Squared ReLU."""
-    return mx.square(mx.maximum(x, 0))
-
-
-def leaky_relu(x, negative_slope: float = 0.01):
-    return mx.where(x > 0, x, x * negative_slope)
-
-
-#: name -> element-wise function (the single place activation names are defined)
-FUNCTIONS = {
-    "relu": lambda x: mx.maximum(x, 0),
-    "relu2": relu2,
-    "leaky_relu": leaky_relu,
-    "silu": fastmath.silu,
-    "swish": fastmath.silu,
-    "gelu": gelu,
-    "gelu_approx": fastmath.gelu_tanh,
-    "gelu_tanh": fastmath.gelu_tanh,
-    "gelu_new": fastmath.gelu_tanh,
-    "gelu_pytorch_tanh": fastmath.gelu_tanh,
-    "gelu_fast": gelu_fast,
-    "tanh": fastmath.tanh,
-    "sigmoid": fastmath.sigmoid,
-    "identity": lambda x: x,
-    "linear": lambda x: x,
-}
-
-
-def activation_fn(name: str):
-    """The element-wise function registered under ``name`` (see `FUNCTIONS`)."""
-    try:
-        return FUNCTIONS[name]
-    except KeyError:
-        raise ValueError(f"unknown activation {name!r}; choose from {sorted(FUNCTIONS)}") from None
 
 
 class Activation(Layer):
     """An element-wise activation by name: ``Activation("gelu")``. Dims pass through unchanged."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, **options):
         super().__init__()
-        self.fn = activation_fn(name)
-        self.name = name
+        self.name = F.check_activation(name)
+        self.options = dict(options)
 
     def forward(self, device, data):
-        return Data(self.fn(data.array), data.dims)
+        return Data(F.activation(data.array, self.name, device=device, **self.options), data.dims)
 
     def _extra_repr(self):
         return repr(self.name)
@@ -89,9 +34,7 @@ class LeakyReLU(Activation):
     """``x if x > 0 else negative_slope * x``."""
 
     def __init__(self, negative_slope: float = 0.01):
-        super().__init__("leaky_relu")
-        self.negative_slope = float(negative_slope)
-        self.fn = lambda x: leaky_relu(x, self.negative_slope)
+        super().__init__("leaky_relu", negative_slope=float(negative_slope))
 
 
 class SiLU(Activation):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import fastmath
 from .. import functional as F
 from ..data import Data, MTLSize
 from ..layer import Layer, no_positional
@@ -128,7 +127,7 @@ class GatedDeltaNet(Layer):
         if cache is not None:
             cache.conv_state = xp[:, xp.shape[1] - (kw - 1):]
         y = self.compile_child_array("conv1d", self.conv1d, device, xp)   # [B, T, C] (no padding)
-        return fastmath.silu(y)
+        return F.activation(y, "silu", device=device)
 
     def forward(self, device, data, cache=None):
         d = data.dims
@@ -153,7 +152,7 @@ class GatedDeltaNet(Layer):
         k = mixed[..., self.key_dim:2 * self.key_dim].reshape(B, T, hk, dk)
         v = mixed[..., 2 * self.key_dim:].reshape(B, T, hv, dv)
 
-        beta = fastmath.sigmoid(b)
+        beta = F.activation(b, "sigmoid", device=device)
         g = -mx.exp(self.A_log.astype(mx.float32)) * _softplus(a.astype(mx.float32) + self.dt_bias)
         h0 = cache.recurrent_state if cache is not None else None
         o, state = F.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=cache is not None,

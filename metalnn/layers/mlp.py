@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import math
 
-from .. import init as initializers
+from .. import functional as F
 from ..data import Data
 from ..layer import Layer, no_positional
-from .activations import activation_fn
 from .dropout import Dropout
 from .linear import Linear
 
@@ -23,7 +22,7 @@ GATED = {"swiglu": "silu", "glu": "sigmoid", "geglu": "gelu", "geglu_tanh": "gel
 class MLP(Layer):
     """Position-wise two-layer MLP, the channel-mixing branch of a residual block.
 
-    Plain (any activation name of `metalnn.layers.activations`, e.g. ``relu``, ``gelu`` (exact),
+    Plain (any activation name of `metalnn.functional.activation`, e.g. ``relu``, ``gelu`` (exact),
     ``gelu_approx``, ``silu``): ``y = down_proj(dropout(act(up_proj(x))))``.
 
     Gated (``swiglu``, ``glu``, ``geglu``, ``geglu_tanh``, ``reglu``):
@@ -53,12 +52,8 @@ class MLP(Layer):
                  dtype=None):
         super().__init__()
         no_positional(type(self).__name__, extra, f"MLP({dims}, activation={extra[0]!r})" if extra else "")
-        if activation in GATED:
-            self.gate_activation = GATED[activation]
-            self._gate = activation_fn(self.gate_activation)
-        else:
-            self.gate_activation = None
-            self._act = activation_fn(activation)
+        self.gate_activation = GATED.get(activation)
+        F.check_activation(self.gate_activation or activation)
         self.activation = activation
         self.expansion_factor = float(expansion_factor)
         self.hidden_dims = None if hidden_dims is None else int(hidden_dims)
@@ -97,9 +92,9 @@ class MLP(Layer):
         up = self.compile_child("up_proj", self.up_proj, device, data).array
         if self.is_gated:
             gate = self.compile_child("gate_proj", self.gate_proj, device, data).array
-            h = self._gate(gate) * up
+            h = F.activation(gate, self.gate_activation, device=device) * up
         else:
-            h = self._act(up)
+            h = F.activation(up, self.activation, device=device)
         h = self.compile_child("dropout", self.dropout, device, Data(h, data.dims._replace(W=self.hidden_dims)))
         return self.compile_child("down_proj", self.down_proj, device, h)
 

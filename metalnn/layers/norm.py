@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import fastmath
 from .. import functional as F
 from ..data import Data
 from ..layer import Layer, no_positional
@@ -107,5 +106,6 @@ class GatedRMSNorm(_Norm):
         self.require(tuple(gate.shape) == tuple(x.shape) or gate.size == x.size, f"gate of {x.size} elements",
                      f"gate of shape {tuple(gate.shape)}")
         y = F.rms_norm(x, self.weight, self.eps, device=device)
-        y = (y.astype(mx.float32) * fastmath.silu(gate.reshape(x.shape).astype(mx.float32))).astype(x.dtype)
+        gate = F.activation(gate.reshape(x.shape).astype(mx.float32), "silu", device=device)
+        y = (y.astype(mx.float32) * gate).astype(x.dtype)
         return Data(y, data.dims)

@@ -16,7 +16,6 @@ from .. import init as initializers
 from ..data import Data, MTLSize
 from ..errors import UnsupportedConfigError
 from ..layer import Layer
-from ..layers.activations import activation_fn
 from ..layers.attention import merge_heads, split_heads
 from ..layers.embedding import Embedding
 from ..layers.linear import Linear
@@ -86,8 +85,7 @@ class GPT2MLP(Layer):
     def __init__(self, intermediate: int, *, activation: str = "gelu_tanh", bias: bool = True, init=None):
         super().__init__()
         self.intermediate = int(intermediate)
-        self.activation = activation
-        self._act = activation_fn(activation)
+        self.activation = F.check_activation(activation)
         self.use_bias = bias
         self.c_fc = Linear(self.intermediate, bias=bias, init=init)
         self._init = init
@@ -97,7 +95,7 @@ class GPT2MLP(Layer):
 
     def forward(self, device, data):
         h = self.compile_child("c_fc", self.c_fc, device, data).array
-        h = Data(self._act(h), data.dims._replace(W=self.intermediate))
+        h = Data(F.activation(h, self.activation, device=device), data.dims._replace(W=self.intermediate))
         return self.compile_child("c_proj", self.c_proj, device, h)
 
 

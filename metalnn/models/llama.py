@@ -15,7 +15,7 @@ from .. import init as initializers
 from ..data import Data, MTLSize
 from ..errors import UnsupportedConfigError
 from ..layer import Layer
-from ..layers.activations import FUNCTIONS as ACTIVATIONS
+from ..functional.activation import NAMES as ACTIVATIONS
 from ..layers.embedding import Embedding
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
@@ -105,7 +105,7 @@ class LlamaForCausalLM(CausalLM):
         head_dim = int(c.get("head_dim") or hidden // n_heads)
         act = c.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
-            raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+            raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (supported: {list(ACTIVATIONS)})")
         init = initializers.Normal(float(c.get("initializer_range", 0.02)))  # transformers' init
         block = dict(num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, mlp_dims=int(c["intermediate_size"]),
                      eps=float(c.get("rms_norm_eps", 1e-6)), attention_bias=bool(c.get("attention_bias", False)),
