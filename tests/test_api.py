@@ -197,7 +197,7 @@ def test_trainer_resume_goes_through_the_one_strict_loader(tmp_path):
 
 def test_reference_devices_run_plain_activation_formulas(monkeypatch):
     """"reference" means plain MLX ops for activations too; other choices use the fast primitives."""
-    import metalnn.functional.activation as act
+    import metalnn.functional.activations as act
 
     calls = []
     monkeypatch.setitem(act.FAST, "silu", lambda x: calls.append("fast") or act.PLAIN["silu"](x))

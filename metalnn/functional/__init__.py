@@ -10,7 +10,7 @@ Metal source run by the CPU emulator in ``metal_kernels.emulator``).
 This package owns the choice and the fallbacks; `metalnn.kernels` only launches kernels.
 """
 
-from .activation import activation, check_activation
+from .activations import activation, check_activation
 from .attention import attention, attention_reference, causal_mask
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from .gated_delta import gated_delta_rule

@@ -1,4 +1,4 @@
-"""Element-wise activation layers. The names and formulas live in `metalnn.functional.activation`
+"""Element-wise activation layers. The names and formulas live in `metalnn.functional.activations`
 (one registry, mlx.nn's meanings: ``"gelu"`` is exact, ``"gelu_approx"`` the tanh form)."""
 
 from __future__ import annotations

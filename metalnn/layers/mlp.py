@@ -22,7 +22,7 @@ GATED = {"swiglu": "silu", "glu": "sigmoid", "geglu": "gelu", "geglu_tanh": "gel
 class MLP(Layer):
     """Position-wise two-layer MLP, the channel-mixing branch of a residual block.
 
-    Plain (any activation name of `metalnn.functional.activation`, e.g. ``relu``, ``gelu`` (exact),
+    Plain (any activation name of `metalnn.functional.activations`, e.g. ``relu``, ``gelu`` (exact),
     ``gelu_approx``, ``silu``): ``y = down_proj(dropout(act(up_proj(x))))``.
 
     Gated (``swiglu``, ``glu``, ``geglu``, ``geglu_tanh``, ``reglu``):

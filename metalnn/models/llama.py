@@ -15,7 +15,7 @@ from .. import init as initializers
 from ..data import Data, MTLSize
 from ..errors import UnsupportedConfigError
 from ..layer import Layer
-from ..functional.activation import NAMES as ACTIVATIONS
+from ..functional.activations import NAMES as ACTIVATIONS
 from ..layers.embedding import Embedding
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
