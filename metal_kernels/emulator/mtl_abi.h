@@ -1,7 +1,14 @@
 // Interface between the emulator runtime (runtime.cpp, compiled once) and a
 // translated kernel (metal_stdlib.hpp + kernel text, compiled per variant).
 #pragma once
-#include <stdint.h>
+
+// The fixed-width types this interface needs, from the compiler's predefined macros: a translated
+// kernel includes no system header (these are <stdint.h>'s definitions, so the runtime, which
+// includes it, sees the same types twice, which C++ allows).
+typedef __UINT32_TYPE__ uint32_t;
+typedef __INT64_TYPE__ int64_t;
+typedef __UINT64_TYPE__ uint64_t;
+typedef __SIZE_TYPE__ size_t;
 
 #define MTL_SIMD_WIDTH 32
 #define MTL_SIMD_SLOT 64  // bytes a lane can contribute to one SIMD operation
@@ -43,7 +50,7 @@ extern "C" {
 // provided by runtime.cpp
 __attribute__((noreturn)) void mtl_rt_fail(const char* msg);
 const struct mtl_thread_info* mtl_rt_thread(void);
-void mtl_rt_barrier(unsigned line, unsigned col);
+void mtl_rt_barrier(int flags, unsigned line, unsigned col);
 const struct mtl_simd_snapshot* mtl_rt_simd(const void* mine, int size, int64_t arg,
                                             const char* op, unsigned line, unsigned col);
 void* mtl_rt_tg_alloc(int id, const char* name, int64_t bytes, int64_t align);

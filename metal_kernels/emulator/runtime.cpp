@@ -6,6 +6,7 @@
 #include "mtl_abi.h"
 
 #include <setjmp.h>
+#include <stdint.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -69,6 +70,7 @@ struct Fiber {
   char* stack;
   State state;
   unsigned line, col;
+  int bflags;  // mem_flags of the threadgroup_barrier the fiber waits at
   const char* op;
   mtl_thread_info info;
   Buf<LogEntry> log;
@@ -112,7 +114,9 @@ alignas(64) char g_arena[kArenaBytes];
 Shadow* g_shadow = nullptr;
 int64_t g_arena_used = 0, g_arena_high = 0;
 Buf<Alloc> g_allocs;
-int32_t g_epoch = 0;
+int32_t g_epoch = 0;  // threadgroup barriers (with mem_threadgroup) passed in this threadgroup
+unsigned g_weak_line = 0;  // a barrier without mem_threadgroup passed in the current epoch (its line)
+constexpr int kMemThreadgroup = 2;  // mem_flags::mem_threadgroup
 SimdGroup g_sg[kMaxThreads / MTL_SIMD_WIDTH];
 
 sigjmp_buf g_jmp;
@@ -179,6 +183,16 @@ inline bool concurrent(int tid, int32_t ep, int32_t ss, int me) {
   return (uint32_t)ss == g_sg[sg_of(me)].sync;
 }
 
+// why two accesses are unordered, for the race messages
+const char* race_hint(char* buf, size_t n) {
+  if (g_weak_line)
+    snprintf(buf, n, "; the threadgroup_barrier on line %u orders no threadgroup memory: its mem_flags "
+             "lack mem_flags::mem_threadgroup", g_weak_line);
+  else
+    snprintf(buf, n, " (missing threadgroup_barrier?)");
+  return buf;
+}
+
 void shadow_access(Fiber* f, char* addr, int size, bool write) {
   int me = (int)f->info.thread_index_in_threadgroup;
   int64_t base = addr - g_arena;
@@ -194,13 +208,13 @@ void shadow_access(Fiber* f, char* addr, int size, bool write) {
         return;
       }
       if (g_check_races && concurrent(s.w_tid, s.w_ep, s.w_ss, me)) {
-        char d[256], other[64];
+        char d[256], other[64], hint[200];
         describe_addr(d, sizeof d, addr, size);
         fmt_pos(other, sizeof other, &g_fibers[s.w_tid]);
         set_error(f,
                   "threadgroup memory race: reads %s, written by thread %s in the same barrier "
-                  "interval (missing threadgroup_barrier?)",
-                  d, other);
+                  "interval%s",
+                  d, other, race_hint(hint, sizeof hint));
         return;
       }
       s.r_tid = me;
@@ -218,13 +232,13 @@ void shadow_access(Fiber* f, char* addr, int size, bool write) {
           kind = "read";
         }
         if (kind) {
-          char d[256], other[64];
+          char d[256], other[64], hint[200];
           describe_addr(d, sizeof d, addr, size);
           fmt_pos(other, sizeof other, &g_fibers[other_tid]);
           set_error(f,
                     "threadgroup memory race: writes %s, %s by thread %s in the same barrier "
-                    "interval (missing threadgroup_barrier?)",
-                    d, kind, other);
+                    "interval%s",
+                    d, kind, other, race_hint(hint, sizeof hint));
           return;
         }
       }
@@ -362,6 +376,7 @@ bool run_threadgroup(int nthreads, int order) {
   g_allocs.clear();
   g_arena_used = 0;
   g_epoch = 0;
+  g_weak_line = 0;
   for (int64_t i = 0; i < kArenaBytes; ++i) g_arena[i] = kPoison[i & 3];
   if (g_arena_high > 0) memset(g_shadow, 0, sizeof(Shadow) * g_arena_high);
   for (int64_t i = 0; i < g_arena_high; ++i) g_shadow[i].w_tid = g_shadow[i].r_tid = -1;
@@ -443,7 +458,12 @@ bool run_threadgroup(int nthreads, int order) {
       g.snap.mask = alive;
       memcpy(g.snap.data, g.live, sizeof g.live);
       memcpy(g.snap.arg, g.live_arg, sizeof g.live_arg);
-      g.sync++;
+      // SIMD collectives order the simdgroup's threadgroup-memory accesses (its lanes run in
+      // lockstep), except a simdgroup_barrier whose mem_flags lack mem_threadgroup
+      Fiber& f1 = g_fibers[first];
+      if (strcmp(f1.op, "simdgroup_barrier") != 0 ||
+          (g.live_arg[first - lo] & kMemThreadgroup))
+        g.sync++;
       for (int t = lo; t < hi; ++t)
         if (g_fibers[t].state == AT_SIMD) g_fibers[t].state = READY;
       released = true;
@@ -484,7 +504,17 @@ bool run_threadgroup(int nthreads, int order) {
                 g_fibers[first].line, a);
       return false;
     }
-    g_epoch++;
+    // the barrier orders threadgroup memory only if its flags say so (Metal: mem_none orders
+    // nothing, mem_device only device memory)
+    int flags = ~0;
+    for (int t = 0; t < nthreads; ++t)
+      if (g_fibers[t].state == AT_BARRIER) flags &= g_fibers[t].bflags;
+    if (flags & kMemThreadgroup) {
+      g_epoch++;
+      g_weak_line = 0;
+    } else {
+      g_weak_line = g_fibers[first].line;
+    }
     for (int t = 0; t < nthreads; ++t) g_fibers[t].state = READY;
   }
 }
@@ -500,10 +530,11 @@ __attribute__((noreturn)) void mtl_rt_fail(const char* msg) {
 
 const mtl_thread_info* mtl_rt_thread(void) { return &g_cur->info; }
 
-void mtl_rt_barrier(unsigned line, unsigned col) {
+void mtl_rt_barrier(int flags, unsigned line, unsigned col) {
   process_log(g_cur);
   if (g_failed) abort_fiber();
   g_cur->state = AT_BARRIER;
+  g_cur->bflags = flags;
   g_cur->line = line;
   g_cur->col = col;
   switch_to_scheduler();

@@ -28,6 +28,8 @@ FAMILY = "gated_delta"
 CHECKPOINT = 16
 #: Most SIMD groups (value columns) per threadgroup.
 MAX_SIMDGROUPS = 8
+#: Threadgroup memory of a Metal threadgroup, in bytes.
+THREADGROUP_MEMORY = 32768
 
 
 @lru_cache(maxsize=None)
@@ -63,6 +65,21 @@ def _simdgroups(V: int) -> int:
     return max(d for d in range(1, min(V, MAX_SIMDGROUPS) + 1) if V % d == 0)
 
 
+def _backward_simdgroups(K: int, V: int) -> int:
+    """SIMD groups per threadgroup of the backward kernel: the largest divisor of V, at most
+    MAX_SIMDGROUPS, whose threadgroup memory (``red_q``, ``red_k``: SG x 32 * ceil(K / 32) floats
+    each, ``red_s``: SG x 2 floats) fits in THREADGROUP_MEMORY. Raises ValueError before any launch
+    when not even one SIMD group fits (K > 4064)."""
+    per_group = 4 * (2 * 32 * -(-K // 32) + 2)
+    fits = [d for d in range(1, min(V, MAX_SIMDGROUPS) + 1) if V % d == 0 and d * per_group <= THREADGROUP_MEMORY]
+    if not fits:
+        raise ValueError(
+            f"gated_delta_rule backward kernel: a key head dimension of {K} needs {per_group} bytes of threadgroup "
+            f"memory per SIMD group, more than the {THREADGROUP_MEMORY} bytes of a Metal threadgroup (the kernel "
+            "handles K <= 4064); use Device(kernels='reference') or 'auto' for this size")
+    return max(fits)
+
+
 def gated_delta(q, k, v, g, beta, h0, device):
     """Kernel-backed recurrence on prepared float32 inputs: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``,
     g, beta ``[B, T, H]``, h0 ``[B, H, K, V]``. Returns ``(o [B, T, H, V], state [B, H, K, V])``."""
@@ -91,10 +108,11 @@ def gated_delta(q, k, v, g, beta, h0, device):
         q, k, v, g, beta, _ = primals
         d_o, d_ht = cotangents[0], cotangents[1]
         ckpt = outputs[2]
+        sg_b = _backward_simdgroups(K, V)
         return tuple(_run("gated_delta_backward", backend,
                           [q, k, v, g, beta, ckpt, d_o.astype(mx.float32), d_ht.astype(mx.float32)] + dims,
                           [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (B, H, K, V)],
-                          grid, tg, [("NK", nk), ("CK", ck), ("SG", sg)], atomic=True, opts=opts))
+                          grid, (32, sg_b, 1), [("NK", nk), ("CK", ck), ("SG", sg_b)], atomic=True, opts=opts))
 
     args = [mx.contiguous(a.astype(mx.float32)) for a in (q, k, v, g, beta, h0)]
     o, ht, _ = fn(*args)
