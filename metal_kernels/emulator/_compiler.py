@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,11 @@ def _run(cmd, what):
         raise CompileError(f"{what} failed:\n{_clean(r.stderr) or r.stdout.strip()}")
 
 
+# warnings of the check pass that are errors for Metal: implicit conversions to bfloat (MSL §2.1:
+# neither float nor half converts implicitly to bfloat)
+_METAL_ERRORS_AS_WARNINGS = re.compile(r"warning: implicit conversion [^\n]*to 'bfloat'")
+
+
 def _clean(stderr: str) -> str:
     """clang's stderr without the driver's notes about unused arguments."""
     return "\n".join(line for line in stderr.strip().splitlines()
@@ -203,7 +209,8 @@ def build(run_text: str, check_text: str | None = None) -> ctypes.CDLL:
     tc = find_compiler()
     ident = compiler_identity()
     key = _digest(run_text, _support_hash(), ident, " ".join(CXXFLAGS), " ".join(LDFLAGS))
-    check_key = None if check_text is None else _digest(check_text, _support_hash(), ident, " ".join(CHECKFLAGS))
+    check_key = None if check_text is None else _digest(check_text, _support_hash(), ident, " ".join(CHECKFLAGS),
+                                                        _METAL_ERRORS_AS_WARNINGS.pattern)
     with _lock:
         lib = _libs.get(key)
         marker = None if check_key is None else cache_dir() / f"check-{check_key}.ok"
@@ -229,7 +236,7 @@ def build(run_text: str, check_text: str | None = None) -> ctypes.CDLL:
             results = {name: (p.wait(), p.communicate()) for name, p in procs.items()}
             if "check" in results:
                 rc, (_, err) = results["check"]
-                if rc != 0:
+                if rc != 0 or _METAL_ERRORS_AS_WARNINGS.search(err):
                     raise CheckError(_clean(err))
                 marker.touch()
             if "run" in results:

@@ -64,7 +64,7 @@ def _reword(msg: str, source_line: str, notes) -> str:
     if m:
         return (f"implicit conversion from {m.group(1)} to 'bfloat' is not allowed (MSL §2.1: neither float "
                 "nor half converts implicitly to bfloat; use static_cast<bfloat>)")
-    if "incomplete type" in msg and "atomic<" in msg:
+    if ("incomplete type" in msg or "undefined template" in msg) and "atomic<" in msg:
         return f"{msg} ({_ATOMIC_HINT})"
     return msg
 
@@ -93,10 +93,15 @@ def metal_messages(stderr: str, kernel_file: str, generated_text: str, limit: in
         text = [f"{kernel_file}:{line}:{where['col']}: error: {msg}", f"  {line:5d} | {src(line).rstrip()}"]
         shown = 0
         for n in g.notes:
-            if n["file"] != kernel_file or n is where or shown >= 4:
+            if n is where or shown >= 4:
                 continue
-            text.append(f"  note (line {n['line']}): {_metal_words(n['msg'])}")
-            shown += 1
+            if n["file"] == kernel_file:
+                text.append(f"  note (line {n['line']}): {_metal_words(n['msg'])}")
+                shown += 1
+            elif "conflicting types" in n["msg"] or "requirement" in n["msg"] and shown == 0:
+                # the first explanation from the standard library (why a template did not match)
+                text.append(f"  note: {_metal_words(n['msg'])}")
+                shown += 1
         out.append("\n".join(text))
         if len(out) >= limit:
             break

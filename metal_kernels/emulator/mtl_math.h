@@ -1,6 +1,5 @@
-// mtl_math.h: the functions of Metal's standard library that work on values, as the overload sets
-// the Metal Shading Language Specification 3.1 gives (one non-template overload per type, so that
-// mixed arguments such as `max(x, 0)` with a float `x`, or `exp(int)`, are ambiguous as on Metal):
+// mtl_math.h: the functions of Metal's standard library that work on values, with the signatures
+// the Metal Shading Language Specification 3.1 gives:
 //   §6.2 Common Functions      clamp, mix, saturate, sign, smoothstep, step      (half, float)
 //   §6.3 Integer Functions     abs, absdiff, addsat, clamp, clz, ctz, extract_bits, hadd,
 //                              insert_bits, mad24, madhi, madsat, max, max3, median3, min, min3,
@@ -11,7 +10,10 @@
 //   §6.5 Math Functions        (half, float; scalars and 2-, 3-, 4-vectors)
 //   §6.8 Geometric Functions   cross, distance, distance_squared, dot, length, length_squared,
 //                              normalize, faceforward, reflect, refract  (half, float vectors)
-// plus the scalar bfloat overloads MLX's prelude adds (mlx/backend/metal/kernels/bf16_math.h).
+// plus the scalar bfloat versions MLX's prelude adds (mlx/backend/metal/kernels/bf16_math.h) for
+// the functions it lists. As in Metal's headers, each function is a template whose one type T is
+// deduced from every argument and must be a type the function takes: mixed arguments such as
+// `max(x, 0)` with a float `x`, `pow(x, 2)` or `exp(i)` with an int `i` match no function.
 // Metal has no log1p / expm1 (MLX's prelude defines a global `log1p`, see mtl_mlx.h).
 //
 // Numerics: float functions use the CPU's libm (correctly rounded or nearly); half and bfloat
@@ -66,85 +68,109 @@ namespace metal {
 using mtl::enable_if_t;
 
 // ------------------------------------------------------------------ generators
-#define MTL_FLOAT_VECS(X, NAME) \
-  X(NAME, float, 2) X(NAME, float, 3) X(NAME, float, 4) X(NAME, half, 2) X(NAME, half, 3) X(NAME, half, 4)
-#define MTL_INT_SCALARS(X, NAME) \
-  X(NAME, char) X(NAME, uchar) X(NAME, short) X(NAME, ushort) X(NAME, int) X(NAME, uint) X(NAME, long) X(NAME, ulong)
-#define MTL_INT_VECS(X, NAME)                                                                          \
-  X(NAME, char, 2) X(NAME, char, 3) X(NAME, char, 4) X(NAME, uchar, 2) X(NAME, uchar, 3) X(NAME, uchar, 4)     \
-  X(NAME, short, 2) X(NAME, short, 3) X(NAME, short, 4) X(NAME, ushort, 2) X(NAME, ushort, 3)                  \
-  X(NAME, ushort, 4) X(NAME, int, 2) X(NAME, int, 3) X(NAME, int, 4) X(NAME, uint, 2) X(NAME, uint, 3)         \
-  X(NAME, uint, 4) X(NAME, long, 2) X(NAME, long, 3) X(NAME, long, 4) X(NAME, ulong, 2) X(NAME, ulong, 3)      \
-  X(NAME, ulong, 4)
+}  // namespace metal
+namespace mtl {
+template <class E>
+constexpr bool is_int_elem = is_int<E> && !mtl_std::is_same_v<E, bool>;
+// the types a floating-point function takes: half, float (scalars, vectors); bfloat scalars for the
+// functions MLX's prelude extends (BF = true)
+template <class T, bool BF>
+constexpr bool fp_arg = (is_vec<T> ? (mtl_std::is_same_v<elem_t<T>, float> || mtl_std::is_same_v<elem_t<T>, half>)
+                                   : (mtl_std::is_same_v<T, float> || mtl_std::is_same_v<T, half> ||
+                                      (BF && mtl_std::is_same_v<T, bfloat>)));
+// the types an integer function takes: 8- to 64-bit integers, scalars and vectors (not bool)
+template <class T>
+constexpr bool int_arg = is_int_elem<elem_t<T>> && !mtl_std::is_same_v<T, bool>;
 
-#define MTL_MAP1(NAME, E, N)                                        \
-  inline vec<E, N> NAME(vec<E, N> x) {                              \
-    vec<E, N> r;                                                    \
-    for (int i = 0; i < N; ++i) r[i] = NAME((E)x[i]);               \
-    return r;                                                       \
+// element-wise application, computing in float for floating-point types
+template <class T, class F>
+inline T fmap(F f, T x) {
+  if constexpr (is_vec<T>) {
+    T r;
+    for (int i = 0; i < vinfo<T>::n; ++i) r[i] = (elem_t<T>)f((float)x[i]);
+    return r;
+  } else {
+    return (T)f((float)x);
   }
-#define MTL_MAP2(NAME, E, N)                                        \
-  inline vec<E, N> NAME(vec<E, N> x, vec<E, N> y) {                 \
-    vec<E, N> r;                                                    \
-    for (int i = 0; i < N; ++i) r[i] = NAME((E)x[i], (E)y[i]);      \
-    return r;                                                       \
+}
+template <class T, class F>
+inline T fmap(F f, T x, T y) {
+  if constexpr (is_vec<T>) {
+    T r;
+    for (int i = 0; i < vinfo<T>::n; ++i) r[i] = (elem_t<T>)f((float)x[i], (float)y[i]);
+    return r;
+  } else {
+    return (T)f((float)x, (float)y);
   }
-#define MTL_MAP3(NAME, E, N)                                                  \
-  inline vec<E, N> NAME(vec<E, N> x, vec<E, N> y, vec<E, N> z) {              \
-    vec<E, N> r;                                                              \
-    for (int i = 0; i < N; ++i) r[i] = NAME((E)x[i], (E)y[i], (E)z[i]);       \
-    return r;                                                                 \
+}
+template <class T, class F>
+inline T fmap(F f, T x, T y, T z) {
+  if constexpr (is_vec<T>) {
+    T r;
+    for (int i = 0; i < vinfo<T>::n; ++i) r[i] = (elem_t<T>)f((float)x[i], (float)y[i], (float)z[i]);
+    return r;
+  } else {
+    return (T)f((float)x, (float)y, (float)z);
   }
+}
+template <class T, class F, class... X>
+inline T imap(F f, T x, X... xs) {
+  if constexpr (is_vec<T>) {
+    T r;
+    for (int i = 0; i < vinfo<T>::n; ++i) r[i] = f(x[i], xs[i]...);
+    return r;
+  } else {
+    return f(x, xs...);
+  }
+}
+}  // namespace mtl
+namespace metal {
 
-// float from an expression in `a` (and `b`, `c`); half and scalar bfloat round the float result
-#define MTL_F1(NAME, EXPR)                                                    \
-  inline float NAME(float a) { return EXPR; }                                 \
-  inline half NAME(half x) { return (half)NAME((float)x); }                   \
-  MTL_FLOAT_VECS(MTL_MAP1, NAME)
-#define MTL_F2(NAME, EXPR)                                                    \
-  inline float NAME(float a, float b) { return EXPR; }                        \
-  inline half NAME(half x, half y) { return (half)NAME((float)x, (float)y); } \
-  MTL_FLOAT_VECS(MTL_MAP2, NAME)
-#define MTL_F3(NAME, EXPR)                                                    \
-  inline float NAME(float a, float b, float c) { return EXPR; }               \
-  inline half NAME(half x, half y, half z) {                                  \
-    return (half)NAME((float)x, (float)y, (float)z);                          \
-  }                                                                           \
-  MTL_FLOAT_VECS(MTL_MAP3, NAME)
-#define MTL_BF1(NAME) \
-  inline bfloat NAME(bfloat x) { return (bfloat)NAME((float)x); }
-#define MTL_BF2(NAME) \
-  inline bfloat NAME(bfloat x, bfloat y) { return (bfloat)NAME((float)x, (float)y); }
-#define MTL_BF3(NAME)                                         \
-  inline bfloat NAME(bfloat x, bfloat y, bfloat z) {          \
-    return (bfloat)NAME((float)x, (float)y, (float)z);        \
+#define MTL_FP(BF) enable_if_t<mtl::fp_arg<T, BF>, int> = 0
+#define MTL_F1_(NAME, BF, EXPR) \
+  template <class T, MTL_FP(BF)> \
+  inline T NAME(T x) { return mtl::fmap([](float a) -> float { return EXPR; }, x); }
+#define MTL_F2_(NAME, BF, EXPR) \
+  template <class T, MTL_FP(BF)> \
+  inline T NAME(T x, T y) { return mtl::fmap([](float a, float b) -> float { return EXPR; }, x, y); }
+#define MTL_F3_(NAME, BF, EXPR)                                                                      \
+  template <class T, MTL_FP(BF)>                                                                     \
+  inline T NAME(T x, T y, T z) {                                                                     \
+    return mtl::fmap([](float a, float b, float c) -> float { return EXPR; }, x, y, z);              \
   }
+// with / without the scalar bfloat version MLX's prelude adds
+#define MTL_F1(NAME, EXPR) MTL_F1_(NAME, true, EXPR)
+#define MTL_F2(NAME, EXPR) MTL_F2_(NAME, true, EXPR)
+#define MTL_F3(NAME, EXPR) MTL_F3_(NAME, true, EXPR)
+#define MTL_F1_NOBF(NAME, EXPR) MTL_F1_(NAME, false, EXPR)
+#define MTL_F2_NOBF(NAME, EXPR) MTL_F2_(NAME, false, EXPR)
+#define MTL_F3_NOBF(NAME, EXPR) MTL_F3_(NAME, false, EXPR)
 
-// integer functions: EXPR in `a` (`b`, `c`) of type T; U is its unsigned type, W a wider type
-#define MTL_I1_ONE(NAME, TY)                                                  \
-  inline TY NAME(TY a) {                                  \
-    using T = TY;                                                             \
-    using U = mtl_std::make_unsigned_t<T>;                                    \
-    (void)sizeof(U);                                                          \
-    return (T)(MTL_I_EXPR_##NAME);                                            \
+// integer functions: EXPR in `a` (`b`, `c`) of type T (the element type); U is its unsigned type
+#define MTL_ILAMBDA(NAME, ...)                        \
+  [](__VA_ARGS__) {                                   \
+    using U = mtl_std::make_unsigned_t<T>;            \
+    (void)sizeof(U);                                  \
+    return (T)(MTL_I_EXPR_##NAME);                    \
   }
-#define MTL_I2_ONE(NAME, TY)                                                  \
-  inline TY NAME(TY a, TY b) {                                  \
-    using T = TY;                                                             \
-    using U = mtl_std::make_unsigned_t<T>;                                    \
-    (void)sizeof(U);                                                          \
-    return (T)(MTL_I_EXPR_##NAME);                                            \
+#define MTL_I1(NAME)                                                                        \
+  template <class V, enable_if_t<mtl::int_arg<V>, int> = 0>                                 \
+  inline V NAME(V x) {                                                                      \
+    using T = mtl::elem_t<V>;                                                               \
+    return mtl::imap(MTL_ILAMBDA(NAME, T a), x);                                            \
   }
-#define MTL_I3_ONE(NAME, TY)                                                  \
-  inline TY NAME(TY a, TY b, TY c) {                                  \
-    using T = TY;                                                             \
-    using U = mtl_std::make_unsigned_t<T>;                                    \
-    (void)sizeof(U);                                                          \
-    return (T)(MTL_I_EXPR_##NAME);                                            \
+#define MTL_I2(NAME)                                                                        \
+  template <class V, enable_if_t<mtl::int_arg<V>, int> = 0>                                 \
+  inline V NAME(V x, V y) {                                                                 \
+    using T = mtl::elem_t<V>;                                                               \
+    return mtl::imap(MTL_ILAMBDA(NAME, T a, T b), x, y);                                    \
   }
-#define MTL_I1(NAME) MTL_INT_SCALARS(MTL_I1_ONE, NAME) MTL_INT_VECS(MTL_MAP1, NAME)
-#define MTL_I2(NAME) MTL_INT_SCALARS(MTL_I2_ONE, NAME) MTL_INT_VECS(MTL_MAP2, NAME)
-#define MTL_I3(NAME) MTL_INT_SCALARS(MTL_I3_ONE, NAME) MTL_INT_VECS(MTL_MAP3, NAME)
+#define MTL_I3(NAME)                                                                        \
+  template <class V, enable_if_t<mtl::int_arg<V>, int> = 0>                                 \
+  inline V NAME(V x, V y, V z) {                                                            \
+    using T = mtl::elem_t<V>;                                                               \
+    return mtl::imap(MTL_ILAMBDA(NAME, T a, T b, T c), x, y, z);                            \
+  }
 
 namespace detail {
 inline float fract(float a) {
@@ -196,10 +222,10 @@ MTL_F1(tan, __builtin_tanf(a))
 MTL_F1(tanh, __builtin_tanhf(a))
 MTL_F1(tanpi, detail::tanpi(a))
 MTL_F1(trunc, __builtin_truncf(a))
-MTL_F1(saturate, detail::clampf(a, 0.0f, 1.0f))
-MTL_F1(sign, detail::sign(a))
+MTL_F1_NOBF(saturate, detail::clampf(a, 0.0f, 1.0f))
+MTL_F1_NOBF(sign, detail::sign(a))
 MTL_F2(atan2, __builtin_atan2f(a, b))
-MTL_F2(copysign, __builtin_copysignf(a, b))
+MTL_F2_NOBF(copysign, __builtin_copysignf(a, b))
 MTL_F2(divide, a / b)
 MTL_F2(fdim, a > b ? a - b : (a != a || b != b ? __builtin_nanf("") : 0.0f))
 MTL_F2(fmax, __builtin_fmaxf(a, b))
@@ -207,20 +233,20 @@ MTL_F2(fmin, __builtin_fminf(a, b))
 MTL_F2(fmod, __builtin_fmodf(a, b))
 MTL_F2(pow, __builtin_powf(a, b))
 MTL_F2(powr, __builtin_powf(a, b))
-MTL_F2(step, b < a ? 0.0f : 1.0f)
+MTL_F2_NOBF(step, b < a ? 0.0f : 1.0f)
 MTL_F3(fma, __builtin_fmaf(a, b, c))
-MTL_F3(mad, a * b + c)
+MTL_F3_NOBF(mad, a * b + c)
 MTL_F3(fmax3, __builtin_fmaxf(__builtin_fmaxf(a, b), c))
 MTL_F3(fmin3, __builtin_fminf(__builtin_fminf(a, b), c))
 MTL_F3(fmedian3, detail::median3(a, b, c))
-MTL_F3(mix, a + (b - a) * c)
-MTL_F3(smoothstep, (detail::clampf((c - a) / (b - a), 0.0f, 1.0f) * detail::clampf((c - a) / (b - a), 0.0f, 1.0f) *
+MTL_F3_NOBF(mix, a + (b - a) * c)
+MTL_F3_NOBF(smoothstep, (detail::clampf((c - a) / (b - a), 0.0f, 1.0f) * detail::clampf((c - a) / (b - a), 0.0f, 1.0f) *
                     (3.0f - 2.0f * detail::clampf((c - a) / (b - a), 0.0f, 1.0f))))
 // abs, max, min, clamp, max3, min3, median3 exist for floating-point and integer types
 MTL_F1(abs, __builtin_fabsf(a))
 MTL_F2(max, __builtin_fmaxf(a, b))
 MTL_F2(min, __builtin_fminf(a, b))
-MTL_F3(clamp, detail::clampf(a, b, c))
+MTL_F3_NOBF(clamp, detail::clampf(a, b, c))
 MTL_F3(max3, __builtin_fmaxf(__builtin_fmaxf(a, b), c))
 MTL_F3(min3, __builtin_fminf(__builtin_fminf(a, b), c))
 MTL_F3(median3, detail::median3(a, b, c))
@@ -238,72 +264,57 @@ inline F next_toward(F x, F y) {
   return __builtin_bit_cast(F, (B)(away ? u + 1 : u - 1));
 }
 }  // namespace detail
-inline float nextafter(float x, float y) { return detail::next_toward<float, uint32_t>(x, y); }
-inline half nextafter(half x, half y) { return detail::next_toward<half, uint16_t>(x, y); }
-MTL_FLOAT_VECS(MTL_MAP2, nextafter)
-inline bfloat nextafter(bfloat x, bfloat y) { return detail::next_toward<bfloat, uint16_t>(x, y); }
-
-// ldexp(x, k), frexp(x, thread int& e), modf(x, thread T& i), sincos(x, thread T& c)
-inline float ldexp(float x, int k) { return __builtin_ldexpf(x, k); }
-inline half ldexp(half x, int k) { return (half)__builtin_ldexpf((float)x, k); }
-inline bfloat ldexp(bfloat x, int k) { return (bfloat)__builtin_ldexpf((float)x, k); }
-inline float frexp(float x, thread int& e) { return __builtin_frexpf(x, &e); }
-inline half frexp(half x, thread int& e) { return (half)__builtin_frexpf((float)x, &e); }
-inline bfloat frexp(bfloat x, thread int& e) { return (bfloat)__builtin_frexpf((float)x, &e); }
-inline float modf(float x, thread float& i) { return __builtin_modff(x, &i); }
-inline half modf(half x, thread half& i) {
-  float fi;
-  float r = __builtin_modff((float)x, &fi);
-  i = (half)fi;
-  return (half)r;
+}  // namespace metal
+namespace mtl {
+template <class T, int N = vinfo<T>::n>
+using int_like_t = mtl_std::conditional_t<is_vec<T>, metal::vec<int, N>, int>;
+template <class E>
+inline E next_elem(E x, E y) {
+  if constexpr (sizeof(E) == 4)
+    return metal::detail::next_toward<E, uint32_t>(x, y);
+  else
+    return metal::detail::next_toward<E, uint16_t>(x, y);
 }
-inline float sincos(float x, thread float& c) { c = __builtin_cosf(x); return __builtin_sinf(x); }
-inline half sincos(half x, thread half& c) { c = (half)__builtin_cosf((float)x); return (half)__builtin_sinf((float)x); }
-#define MTL_LDEXP_V(NAME, E, N)                                                          \
-  inline vec<E, N> ldexp(vec<E, N> x, vec<int, N> k) {                                  \
-    vec<E, N> r;                                                                         \
-    for (int i = 0; i < N; ++i) r[i] = ldexp((E)x[i], (int)k[i]);                        \
-    return r;                                                                            \
-  }                                                                                      \
-  inline vec<E, N> frexp(vec<E, N> x, thread vec<int, N>& e) {                           \
-    vec<E, N> r;                                                                         \
-    for (int i = 0; i < N; ++i) {                                                        \
-      int k;                                                                             \
-      r[i] = frexp((E)x[i], k);                                                          \
-      e[i] = k;                                                                          \
-    }                                                                                    \
-    return r;                                                                            \
-  }                                                                                      \
-  inline vec<E, N> modf(vec<E, N> x, thread vec<E, N>& ip) {                             \
-    vec<E, N> r;                                                                         \
-    for (int i = 0; i < N; ++i) {                                                        \
-      E k;                                                                               \
-      r[i] = modf((E)x[i], k);                                                           \
-      ip[i] = k;                                                                         \
-    }                                                                                    \
-    return r;                                                                            \
-  }                                                                                      \
-  inline vec<E, N> sincos(vec<E, N> x, thread vec<E, N>& c) {                            \
-    vec<E, N> r;                                                                         \
-    for (int i = 0; i < N; ++i) {                                                        \
-      E k;                                                                               \
-      r[i] = sincos((E)x[i], k);                                                         \
-      c[i] = k;                                                                          \
-    }                                                                                    \
-    return r;                                                                            \
+}  // namespace mtl
+namespace metal {
+template <class T, MTL_FP(true)>
+inline T nextafter(T x, T y) {
+  return mtl::imap([](auto a, auto b) { return mtl::next_elem(a, b); }, x, y);
+}
+// ldexp(x, k), frexp(x, thread int& e), modf(x, thread T& i), sincos(x, thread T& c); for vectors
+// the int arguments are int vectors of the same length
+template <class T, MTL_FP(true)>
+inline T ldexp(T x, mtl::int_like_t<T> k) {
+  return mtl::imap([](auto a, int e) { return (decltype(a))__builtin_ldexpf((float)a, e); }, x, k);
+}
+template <class T, MTL_FP(true)>
+inline T frexp(T x, thread mtl::int_like_t<T>& e) {
+  if constexpr (mtl::is_vec<T>) {
+    T r;
+    for (int i = 0; i < mtl::vinfo<T>::n; ++i) {
+      int k;
+      r[i] = (mtl::elem_t<T>)__builtin_frexpf((float)x[i], &k);
+      e[i] = k;
+    }
+    return r;
+  } else {
+    int k;
+    T r = (T)__builtin_frexpf((float)x, &k);
+    e = k;
+    return r;
   }
-MTL_FLOAT_VECS(MTL_LDEXP_V, _)
-#undef MTL_LDEXP_V
-
-// MLX's prelude (bf16_math.h) adds scalar bfloat overloads of these
-MTL_BF1(abs) MTL_BF1(acos) MTL_BF1(acosh) MTL_BF1(asin) MTL_BF1(asinh) MTL_BF1(atan) MTL_BF1(atanh)
-MTL_BF1(ceil) MTL_BF1(cos) MTL_BF1(cosh) MTL_BF1(cospi) MTL_BF1(exp) MTL_BF1(exp10) MTL_BF1(exp2)
-MTL_BF1(fabs) MTL_BF1(floor) MTL_BF1(fract) MTL_BF1(log) MTL_BF1(log10) MTL_BF1(log2) MTL_BF1(rint)
-MTL_BF1(round) MTL_BF1(rsqrt) MTL_BF1(sin) MTL_BF1(sinh) MTL_BF1(sinpi) MTL_BF1(sqrt) MTL_BF1(tan)
-MTL_BF1(tanh) MTL_BF1(tanpi) MTL_BF1(trunc)
-MTL_BF2(atan2) MTL_BF2(divide) MTL_BF2(fdim) MTL_BF2(fmax) MTL_BF2(fmin) MTL_BF2(fmod) MTL_BF2(max)
-MTL_BF2(min) MTL_BF2(pow) MTL_BF2(powr)
-MTL_BF3(fma) MTL_BF3(fmax3) MTL_BF3(fmedian3) MTL_BF3(fmin3) MTL_BF3(max3) MTL_BF3(median3) MTL_BF3(min3)
+}
+template <class T, MTL_FP(false)>
+inline T modf(T x, thread T& ip) {
+  T w = trunc(x);
+  ip = w;
+  return x - w;
+}
+template <class T, MTL_FP(false)>
+inline T sincos(T x, thread T& c) {
+  c = cos(x);
+  return sin(x);
+}
 
 // ------------------------------------------------------------------ §6.3 integer functions
 #define MTL_I_EXPR_abs (a < 0 ? (U)0 - (U)a : (U)a)
@@ -334,26 +345,29 @@ MTL_I2(mulhi) MTL_I2(mul24) MTL_I2(rotate)
 MTL_I3(clamp) MTL_I3(max3) MTL_I3(min3) MTL_I3(median3) MTL_I3(madhi) MTL_I3(mad24) MTL_I3(madsat)
 
 // extract_bits(x, offset, bits), insert_bits(base, insert, offset, bits)
-#define MTL_BITS_ONE(NAME, T)                                                            \
-  inline T extract_bits(T x, uint offset, uint bits) {                                   \
-    using U = mtl_std::make_unsigned_t<T>;                                               \
-    if (bits == 0) return 0;                                                             \
-    U v = (U)((U)x >> offset);                                                           \
-    unsigned w = 8 * sizeof(T);                                                          \
-    if (bits < w) {                                                                      \
-      v &= (U)(((U)1 << bits) - 1);                                                      \
-      if (mtl_std::is_signed_v<T> && (v >> (bits - 1) & 1)) v |= (U)~(((U)1 << bits) - 1); \
-    }                                                                                    \
-    return (T)v;                                                                         \
-  }                                                                                      \
-  inline T insert_bits(T base, T insert, uint offset, uint bits) {                       \
-    using U = mtl_std::make_unsigned_t<T>;                                               \
-    unsigned w = 8 * sizeof(T);                                                          \
-    U mask = bits >= w ? (U)~(U)0 : (U)((((U)1 << bits) - 1) << offset);                 \
-    return (T)(((U)base & (U)~mask) | (((U)insert << offset) & mask));                   \
-  }
-MTL_INT_SCALARS(MTL_BITS_ONE, _)
-#undef MTL_BITS_ONE
+template <class V, enable_if_t<mtl::int_arg<V>, int> = 0>
+inline V extract_bits(V x, uint offset, uint bits) {
+  return mtl::imap([offset, bits](auto e) {
+    using T = decltype(e);
+    using U = mtl_std::make_unsigned_t<T>;
+    if (bits == 0) return (T)0;
+    U v = (U)((U)e >> offset);
+    if (bits < 8 * sizeof(T)) {
+      v &= (U)(((U)1 << bits) - 1);
+      if (mtl_std::is_signed_v<T> && (v >> (bits - 1) & 1)) v |= (U)~(((U)1 << bits) - 1);
+    }
+    return (T)v;
+  }, x);
+}
+template <class V, enable_if_t<mtl::int_arg<V>, int> = 0>
+inline V insert_bits(V base, V insert, uint offset, uint bits) {
+  return mtl::imap([offset, bits](auto b, auto i) {
+    using T = decltype(b);
+    using U = mtl_std::make_unsigned_t<T>;
+    U mask = bits >= 8 * sizeof(T) ? (U)~(U)0 : (U)((((U)1 << bits) - 1) << offset);
+    return (T)(((U)b & (U)~mask) | (((U)i << offset) & mask));
+  }, base, insert);
+}
 
 // ------------------------------------------------------------------ §6.4 relational functions
 #define MTL_PRED_ONE(NAME, EXPR)                                                      \
