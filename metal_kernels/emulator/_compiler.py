@@ -25,6 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import _diagnostics
+
 HERE = Path(__file__).resolve().parent
 # Freestanding C++: kernels include no system or C++ library header and link no C++ library, so any
 # clang works without a prebuilt libc++ (the `ziglang` wheel would otherwise build one on first use,
@@ -210,7 +212,8 @@ def build(run_text: str, check_text: str | None = None) -> ctypes.CDLL:
     ident = compiler_identity()
     key = _digest(run_text, _support_hash(), ident, " ".join(CXXFLAGS), " ".join(LDFLAGS))
     check_key = None if check_text is None else _digest(check_text, _support_hash(), ident, " ".join(CHECKFLAGS),
-                                                        _METAL_ERRORS_AS_WARNINGS.pattern)
+                                                        _METAL_ERRORS_AS_WARNINGS.pattern,
+                                                        _diagnostics._IMPLICIT_MEMBER.pattern)
     with _lock:
         lib = _libs.get(key)
         marker = None if check_key is None else cache_dir() / f"check-{check_key}.ok"
@@ -236,7 +239,7 @@ def build(run_text: str, check_text: str | None = None) -> ctypes.CDLL:
             results = {name: (p.wait(), p.communicate()) for name, p in procs.items()}
             if "check" in results:
                 rc, (_, err) = results["check"]
-                if rc != 0 or _METAL_ERRORS_AS_WARNINGS.search(err):
+                if (rc != 0 and _diagnostics.kernel_errors(err)) or _METAL_ERRORS_AS_WARNINGS.search(err):
                     raise CheckError(_clean(err))
                 marker.touch()
             if "run" in results:
