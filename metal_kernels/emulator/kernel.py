@@ -167,7 +167,10 @@ class MetalKernel:
 
     def _cpp(self, fname, text, params, targs, mode="run"):
         start = len(self.header) if text.startswith(self.header) else 0
-        cpp = (_compiler.PRELUDE_INCLUDE + f'#line 1 "{self._file}"\n'
+        # the Metal compiler defines __FAST_MATH__ in the "fast" math mode (the only visible effect of
+        # the math mode here: the emulator's functions are the precise ones in every mode)
+        fast = "#define __FAST_MATH__ 1\n" if self.compile_options["math_mode"] == "fast" else ""
+        cpp = (_compiler.PRELUDE_INCLUDE + fast + f'#line 1 "{self._file}"\n'
                + _translate.translate(text, mode, kernel_start=start))
         return cpp + _translate.launcher(fname, targs, params) if mode == "run" else cpp
 
