@@ -253,15 +253,36 @@ def _cast_target_is_pointer(text: str, i: int) -> bool:
     return "*" in target or "&" in target
 
 
-def translate(text: str, mode: str = "run", kernel_start: int = 0) -> str:
+def _mark_stores(text: str, names) -> str:
+    """``out[i] = v`` -> ``out.store_at(i) = v`` for the given output names (run build): the race
+    checker then knows a store even when it writes the value already there."""
+    edits = []
+    for name in names:
+        for m in re.finditer(r"(?<![\w.>:])" + re.escape(name) + r"\s*\[", text):
+            close = _balanced(text, m.end() - 1)
+            if close < 0:
+                continue
+            after = re.match(r"\s*=(?!=)", text[close:])
+            if after:
+                edits.append((m.start(), m.end(), close - 1, name))
+    for start, open_end, close_pos, name in sorted(edits, reverse=True):
+        text = text[:start] + f"{name}.store_at(" + text[open_end:close_pos] + ")" + text[close_pos + 1:]
+    return text
+
+
+def translate(text: str, mode: str = "run", kernel_start: int = 0, stores=()) -> str:
     """Translate generated kernel text; ``text[kernel_start:]`` is the kernel function (after the
-    header), where threadgroup variables may be declared."""
+    header), where threadgroup variables may be declared. ``stores``: the (non-atomic) output
+    names whose subscript assignments are marked as stores in the run build."""
     if mode not in ("run", "check"):
         raise ValueError(f"mode must be 'run' or 'check', got {mode!r}")
     masked, literals = mask_comments_and_strings(text)
     counter = [0]
     head = _translate_part(masked[:kernel_start], mode, False, counter)
-    body = _translate_part(masked[kernel_start:], mode, True, counter)
+    body = masked[kernel_start:]
+    if mode == "run" and stores:
+        body = _mark_stores(body, stores)
+    body = _translate_part(body, mode, True, counter)
     return unmask(head + body, literals)
 
 
@@ -271,7 +292,8 @@ def launcher(func_name: str, targs: str, params) -> str:
     k = 0
     for p in params:
         if p.kind == "ptr":
-            args.append(f'::mtl::DevPtr<{p.type_str}>(({p.type_str}*)b[{k}], lo[{k}], hi[{k}], "{p.name}")')
+            out = k if p.source and p.source[0] == "output" else -1
+            args.append(f'::mtl::DevPtr<{p.type_str}>(({p.type_str}*)b[{k}], lo[{k}], hi[{k}], "{p.name}", {out})')
             k += 1
         elif p.kind == "ref":
             args.append(f"*(const {p.type_str}*)b[{k}]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 
 import numpy as np
 
@@ -171,7 +172,8 @@ class MetalKernel:
         # the math mode here: the emulator's functions are the precise ones in every mode)
         fast = "#define __FAST_MATH__ 1\n" if self.compile_options["math_mode"] == "fast" else ""
         cpp = (_compiler.PRELUDE_INCLUDE + fast + f'#line 1 "{self._file}"\n'
-               + _translate.translate(text, mode, kernel_start=start))
+               + _translate.translate(text, mode, kernel_start=start,
+                                      stores=() if self.atomic_outputs else self.output_names))
         return cpp + _translate.launcher(fname, targs, params) if mode == "run" else cpp
 
     @property
@@ -248,10 +250,12 @@ class MetalKernel:
             outs.append(o)
 
         keep = []  # keep every buffer alive during the launch
-        ptrs, los, his = [], [], []
+        ptrs, los, his, out_elem, buf_names = [], [], [], [], []
 
-        def add(arr):
+        def add(arr, elem=0, name=""):
             keep.append(arr)
+            out_elem.append(elem)
+            buf_names.append(name)
             p = arr.ctypes.data
             if arr.flags.c_contiguous or arr.size == 0:
                 lo, hi = p, p + arr.nbytes
@@ -266,7 +270,9 @@ class MetalKernel:
                 continue
             what, i = p.source
             a = arrays[i] if what != "output" else outs[i]
-            if what in ("input", "output"):
+            if what == "output":
+                add(a, a.itemsize, p.name)
+            elif what == "input":
                 add(a)
             elif what == "shape":
                 add(np.array(a.shape, dtype=np.int32))
@@ -278,14 +284,17 @@ class MetalKernel:
         before = [a.copy() for a in arrays]  # inputs are const: a kernel must not change them
         n = len(ptrs)
         P = ctypes.c_void_p * max(n, 1)
+        I = ctypes.c_int * max(n, 1)
         U3 = ctypes.c_uint32 * 3
         with _compiler.launch_lock:
-            err = lib.mtl_launch(P(*ptrs), P(*los), P(*his), U3(*grid), U3(*tg),
+            err = lib.mtl_launch(P(*ptrs), P(*los), P(*his), I(*out_elem), n, U3(*grid), U3(*tg),
                                  _LANE_ORDERS[lane_order], int(seed) & (2**64 - 1),
                                  (1 if check_races else 0) | (2 if strict_simd else 0),
                                  self.name.encode())
         if err is not None:
-            raise EmulatorError(err.decode(errors="replace"))
+            msg = re.sub(r"output buffer (\d+)", lambda m: f"output '{buf_names[int(m.group(1))]}'",
+                         err.decode(errors="replace"))
+            raise EmulatorError(msg)
         for iname, a, b in zip(self.input_names, arrays, before):
             if not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
                 if a.flags.writeable:

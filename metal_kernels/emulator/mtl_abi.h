@@ -56,6 +56,7 @@ const struct mtl_simd_snapshot* mtl_rt_simd(const void* mine, int size, int64_t 
 void* mtl_rt_tg_alloc(int id, const char* name, int64_t bytes, int64_t align);
 void mtl_rt_tg_bounds(const void* p, char** lo, char** hi, const char** name);
 void mtl_rt_tg_log(void* addr, int size);
+void mtl_rt_dev_log(int out_id, void* addr, int size, int store);
 void mtl_rt_tg_atomic(void* addr, int size, int is_read, int is_write);
 void mtl_rt_oob(const char* what, const char* name, const void* p, const void* lo,
                 const void* hi, int elem_size);

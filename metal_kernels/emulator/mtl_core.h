@@ -116,27 +116,38 @@ inline metal::vec<E, N> mk(const A&... a) {
 }
 
 #ifndef MTL_CHECK
+template <class T>
+struct is_atomic_t : mtl_std::false_type {};
+
 // ---------------------------------------------------- checked device pointers
+// `out` is the kernel buffer index of an output (its accesses are logged for the device-memory
+// race checker), -1 for an input.
 template <class T>
 struct DevPtr {
   T* p = nullptr;
   char* lo = nullptr;
   char* hi = nullptr;
   const char* name = "?";
+  int out = -1;
   DevPtr() = default;
   DevPtr(decltype(nullptr)) {}
-  DevPtr(T* p_, void* lo_, void* hi_, const char* n)
-      : p(p_), lo((char*)lo_), hi((char*)hi_), name(n) {}
+  DevPtr(T* p_, void* lo_, void* hi_, const char* n, int out_ = -1)
+      : p(p_), lo((char*)lo_), hi((char*)hi_), name(n), out(out_) {}
   template <class U, enable_if_t<mtl_std::is_convertible_v<U*, T*>, int> = 0>
-  DevPtr(const DevPtr<U>& o) : p(o.p), lo(o.lo), hi(o.hi), name(o.name) {}
+  DevPtr(const DevPtr<U>& o) : p(o.p), lo(o.lo), hi(o.hi), name(o.name), out(o.out) {}
   template <class U, enable_if_t<!mtl_std::is_convertible_v<U*, T*>, int> = 0>
-  explicit DevPtr(const DevPtr<U>& o) : p((T*)o.p), lo(o.lo), hi(o.hi), name(o.name) {}
-  T& at(int64_t i) const {
+  explicit DevPtr(const DevPtr<U>& o) : p((T*)o.p), lo(o.lo), hi(o.hi), name(o.name), out(o.out) {}
+  T& at(int64_t i, int store = 0) const {
     T* q = p + i;
     if ((char*)q < lo || (char*)(q + 1) > hi || !p)
       mtl_rt_oob("device buffer", name, q, lo, hi, (int)sizeof(T));
+    if constexpr (!is_atomic_t<mtl_std::remove_cv_t<T>>::value)
+      if (out >= 0) mtl_rt_dev_log(out, (void*)q, (int)sizeof(T), store);
     return *q;
   }
+  // `name[i] = v` in the kernel text (see _translate.py): a store, even of the value already there
+  template <class I, enable_if_t<mtl_std::is_integral_v<I> || mtl_std::is_enum_v<I>, int> = 0>
+  T& store_at(I i) const { return at((int64_t)i, 1); }
   template <class I, enable_if_t<mtl_std::is_integral_v<I> || mtl_std::is_enum_v<I>, int> = 0>
   T& operator[](I i) const { return at((int64_t)i); }
   T& operator*() const { return at(0); }
@@ -163,8 +174,6 @@ struct DevPtr {
   explicit operator bool() const { return p != nullptr; }
 };
 
-template <class T>
-struct is_atomic_t : mtl_std::false_type {};
 
 // ------------------------------------------------ checked threadgroup pointers
 template <class E>
