@@ -84,7 +84,8 @@ def test_strided_mx_input_keeps_its_layout_without_ensure_row_contiguous():
     view = base[1:5, 1:7:2]  # 4 x 3, strides (8, 2), offset 9
     want = np.array(view).reshape(-1)
     for contiguous in (True, False):
-        ignores = metal_kernel(f"ignores_{contiguous}", ["x"], ["out"], IGNORES_STRIDES, ensure_row_contiguous=contiguous)
+        ignores = metal_kernel(f"ignores_{contiguous}", ["x"], ["out"], IGNORES_STRIDES,
+                               ensure_row_contiguous=contiguous)
         uses = metal_kernel(f"uses_{contiguous}", ["x"], ["out"], USES_STRIDES, ensure_row_contiguous=contiguous)
         got_uses = call(uses, [view], 12, grid=(12, 1, 1), tg=(12, 1, 1))
         np.testing.assert_array_equal(got_uses, want)
@@ -103,8 +104,8 @@ def test_broadcast_and_transposed_inputs():
     for x in (bc, tr):
         k = metal_kernel("layout", ["x"], ["out"], USES_STRIDES, ensure_row_contiguous=False)
         np.testing.assert_array_equal(call(k, [x], 12, grid=(12, 1, 1), tg=(12, 1, 1)), np.array(x).reshape(-1))
-    k = metal_kernel("bc_strides", ["x"], ["out"], "out[thread_position_in_grid.x] = float(x_strides[thread_position_in_grid.x]);",
-                     ensure_row_contiguous=False)
+    k = metal_kernel("bc_strides", ["x"], ["out"],
+                     "uint i = thread_position_in_grid.x;\nout[i] = float(x_strides[i]);", ensure_row_contiguous=False)
     np.testing.assert_array_equal(call(k, [bc], 2, grid=(2, 1, 1), tg=(2, 1, 1)), [0, 1])
 
 
@@ -112,7 +113,8 @@ def test_bfloat16_view_input():
     base = mx.arange(16, dtype=mx.float32).reshape(4, 4).astype(mx.bfloat16)
     view = base[:, ::2]
     k = metal_kernel("bf_view", ["x"], ["out"],
-                     "uint i = thread_position_in_grid.x;\nout[i] = float(x[elem_to_loc(i, x_shape, x_strides, x_ndim)]);",
+                     "uint i = thread_position_in_grid.x;\n"
+                     "out[i] = float(x[elem_to_loc(i, x_shape, x_strides, x_ndim)]);",
                      ensure_row_contiguous=False)
     np.testing.assert_array_equal(call(k, [view], 8, grid=(8, 1, 1), tg=(8, 1, 1)),
                                   np.array(view.astype(mx.float32)).reshape(-1))
@@ -251,6 +253,7 @@ def test_mlx_prelude_names():
 
 
 def test_complex64_inputs_and_outputs():
-    k = metal_kernel("cplx", ["z"], ["out"], "uint i = thread_position_in_grid.x;\nout[i] = z[i] * z[i] + complex64_t(1.0f, 0.0f);")
+    k = metal_kernel("cplx", ["z"], ["out"],
+                     "uint i = thread_position_in_grid.x;\nout[i] = z[i] * z[i] + complex64_t(1.0f, 0.0f);")
     z = (np.arange(8) + 1j * np.arange(8)[::-1]).astype(np.complex64)
     np.testing.assert_allclose(call(k, [z], 8, dtype=mx.complex64, grid=(8, 1, 1), tg=(8, 1, 1)), z * z + 1, rtol=1e-6)

@@ -72,8 +72,8 @@ COMPILE_ERRORS = {
         "", "bfloat b = x[0] * 2.0f;\nout[0] = float(b);", [LARGE],
         r"implicit conversion from 'float' to 'bfloat' is not allowed", {}),
     "barrier_without_flags": (
-        "", "threadgroup_barrier();\nout[0] = x[0];", [LARGE], r"no matching function for call to 'threadgroup_barrier'",
-        {}),
+        "", "threadgroup_barrier();\nout[0] = x[0];", [LARGE],
+        r"no matching function for call to 'threadgroup_barrier'", {}),
     # ---- atomics (§6.15)
     "atomic_half_output": (
         "", "atomic_fetch_add_explicit(&out[0], half(1), memory_order_relaxed);", [LARGE],
