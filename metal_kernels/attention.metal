@@ -40,9 +40,10 @@
 #define ATTENTION_BIG 3.0e38f
 
 // Load one row of features into this lane's DL registers (zero past D), multiplied by `mul`.
-template <typename T, int DL>
-inline void attention_load_row(thread float* dst, const device T* src, int D, uint lane, bool ok,
-                               float mul) {
+// `src` is a pointer into an input: `const device T*`, or `const constant T*` for an input of
+// fewer than 8 elements (MLX passes those in the constant address space), hence a template.
+template <int DL, typename SrcPtr>
+inline void attention_load_row(thread float* dst, SrcPtr src, int D, uint lane, bool ok, float mul) {
   for (int c = 0; c < DL; ++c) {
     int d = int(lane) + 32 * c;
     dst[c] = (ok && d < D) ? float(src[d]) * mul : 0.0f;
@@ -65,10 +66,10 @@ inline float attention_partial_dot(thread const float* x, const threadgroup floa
 
 // Cooperative copy of rows [first, first + n_rows) of two [*, D] matrices into two
 // [BK, D] threadgroup tiles (as float); rows n_rows..BK-1 of the tiles are zero-filled.
-template <typename T, int BK>
-inline void attention_load_tiles(threadgroup float* ta, threadgroup float* tb,
-                                 const device T* a, const device T* b, int first, int n_rows,
-                                 int D, uint tid, uint n_threads) {
+// `a` and `b` point into inputs (device or constant memory, as attention_load_row's `src`).
+template <int BK, typename PtrA, typename PtrB>
+inline void attention_load_tiles(threadgroup float* ta, threadgroup float* tb, PtrA a, PtrB b,
+                                 int first, int n_rows, int D, uint tid, uint n_threads) {
   uint n = uint(BK * D);
   for (uint e = tid; e < n; e += n_threads) {
     int r = int(e) / D;
@@ -112,7 +113,7 @@ inline void attention_load_tiles(threadgroup float* ta, threadgroup float* tb,
 
   float qv[DL];
   float acc[DL];
-  attention_load_row<T, DL>(qv, q + q_row * size_t(D), D, lane, row_ok, scale);
+  attention_load_row<DL>(qv, q + q_row * size_t(D), D, lane, row_ok, scale);
   for (int c = 0; c < DL; ++c) {
     acc[c] = 0.0f;
   }
@@ -123,7 +124,7 @@ inline void attention_load_tiles(threadgroup float* ta, threadgroup float* tb,
   for (int kb = 0; kb < tg_end; kb += BK) {
     const int n_tile = min(BK, tg_end - kb);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous tile is consumed
-    attention_load_tiles<T, BK>(k_tile, v_tile, k + kv_base, v + kv_base, kb, n_tile, D, tid,
+    attention_load_tiles<BK>(k_tile, v_tile, k + kv_base, v + kv_base, kb, n_tile, D, tid,
                                 n_threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const int n_mine = row_ok ? min(n_tile, my_end - kb) : 0;  // uniform over the SIMD group
@@ -198,9 +199,9 @@ inline void attention_load_tiles(threadgroup float* ta, threadgroup float* tb,
   float dov[DL];
   float ov[DL];
   float dqv[DL];
-  attention_load_row<T, DL>(qv, q + q_row * size_t(D), D, lane, row_ok, scale);
-  attention_load_row<T, DL>(dov, dout + q_row * size_t(D), D, lane, row_ok, 1.0f);
-  attention_load_row<T, DL>(ov, o + q_row * size_t(D), D, lane, row_ok, 1.0f);
+  attention_load_row<DL>(qv, q + q_row * size_t(D), D, lane, row_ok, scale);
+  attention_load_row<DL>(dov, dout + q_row * size_t(D), D, lane, row_ok, 1.0f);
+  attention_load_row<DL>(ov, o + q_row * size_t(D), D, lane, row_ok, 1.0f);
   float part = 0.0f;
   for (int c = 0; c < DL; ++c) {
     part += dov[c] * ov[c];
@@ -216,7 +217,7 @@ inline void attention_load_tiles(threadgroup float* ta, threadgroup float* tb,
   for (int kb = 0; kb < tg_end; kb += BK) {
     const int n_tile = min(BK, tg_end - kb);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    attention_load_tiles<T, BK>(k_tile, v_tile, k + kv_base, v + kv_base, kb, n_tile, D, tid,
+    attention_load_tiles<BK>(k_tile, v_tile, k + kv_base, v + kv_base, kb, n_tile, D, tid,
                                 n_threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const int n_mine = row_ok ? min(n_tile, my_end - kb) : 0;
@@ -280,8 +281,8 @@ inline void attention_load_tiles(threadgroup float* ta, threadgroup float* tb,
   float vv[DL];
   float dkv[DL];
   float dvv[DL];
-  attention_load_row<T, DL>(kv, k + k_row * size_t(D), D, lane, key_ok, scale);
-  attention_load_row<T, DL>(vv, v + k_row * size_t(D), D, lane, key_ok, 1.0f);
+  attention_load_row<DL>(kv, k + k_row * size_t(D), D, lane, key_ok, scale);
+  attention_load_row<DL>(vv, v + k_row * size_t(D), D, lane, key_ok, 1.0f);
   for (int c = 0; c < DL; ++c) {
     dkv[c] = 0.0f;
     dvv[c] = 0.0f;
@@ -293,7 +294,7 @@ inline void attention_load_tiles(threadgroup float* ta, threadgroup float* tb,
     for (int qs = q_begin; qs < Tq; qs += BK) {
       const int n_tile = min(BK, Tq - qs);
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      attention_load_tiles<T, BK>(q_tile, do_tile, q + hq_row0 * size_t(D), dout + hq_row0 * size_t(D),
+      attention_load_tiles<BK>(q_tile, do_tile, q + hq_row0 * size_t(D), dout + hq_row0 * size_t(D),
                                   qs, n_tile, D, tid, n_threads);
       for (uint e = tid; e < uint(BK); e += n_threads) {
         const bool ok = int(e) < n_tile;

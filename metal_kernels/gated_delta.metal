@@ -17,6 +17,8 @@
 // dbeta sum over the columns: per token the SG simdgroups of a threadgroup reduce theirs in
 // threadgroup memory and one atomic add per element and threadgroup goes to device memory
 // (outputs are atomic and zero-initialised).
+// Inputs are indexed from their own pointers (no derived `const device float*`): MLX passes inputs
+// of fewer than 8 elements (e.g. q and k of one token with K < 8) in the `constant` address space.
 
 // @header
 // Index of the first element of row (b, t, h) in a [B, T, H, ...] tensor, in units of rows.
@@ -59,13 +61,12 @@ inline size_t gdn_row(uint b, int t, uint h, int n_tokens, int n_heads) {
     size_t row = gdn_row(b, t, h, T, H);
     float a = metal::exp(g[row]);
     float bt = beta[row];
-    const device float* kr = k + row * size_t(K);
-    const device float* qr = q + row * size_t(K);
+    size_t kq = row * size_t(K);
     float kk[NK];
     float acc = 0.0f;
     for (int n = 0; n < NK; ++n) {
       int i = int(lane) + 32 * n;
-      kk[n] = i < K ? kr[i] : 0.0f;
+      kk[n] = i < K ? k[kq + i] : 0.0f;
       s[n] *= a;
       acc += kk[n] * s[n];
     }
@@ -75,7 +76,7 @@ inline size_t gdn_row(uint b, int t, uint h, int n_tokens, int n_heads) {
     for (int n = 0; n < NK; ++n) {
       int i = int(lane) + 32 * n;
       s[n] += kk[n] * d;
-      acc += (i < K ? qr[i] : 0.0f) * s[n];
+      acc += (i < K ? q[kq + i] : 0.0f) * s[n];
     }
     float out = simd_sum(acc);
     if (lane == 0) {
@@ -137,13 +138,13 @@ inline size_t gdn_row(uint b, int t, uint h, int n_tokens, int n_heads) {
     for (int t = t0; t < t1; ++t) {
       size_t row = gdn_row(b, t, h, T, H);
       float a = metal::exp(g[row]);
-      const device float* kr = k + row * size_t(K);
+      size_t kq = row * size_t(K);
       float kk[NK];
       float acc = 0.0f;
       for (int n = 0; n < NK; ++n) {
         int i = int(lane) + 32 * n;
         hist[t - t0][n] = s[n];
-        kk[n] = i < K ? kr[i] : 0.0f;
+        kk[n] = i < K ? k[kq + i] : 0.0f;
         s[n] *= a;
         acc += kk[n] * s[n];
       }
@@ -158,14 +159,13 @@ inline size_t gdn_row(uint b, int t, uint h, int n_tokens, int n_heads) {
       size_t row = gdn_row(b, t, h, T, H);
       float a = metal::exp(g[row]);
       float bt = beta[row];
-      const device float* kr = k + row * size_t(K);
-      const device float* qr = q + row * size_t(K);
+      size_t kq = row * size_t(K);
       float kk[NK];
       float sa[NK];
       float acc = 0.0f;
       for (int n = 0; n < NK; ++n) {
         int i = int(lane) + 32 * n;
-        kk[n] = i < K ? kr[i] : 0.0f;
+        kk[n] = i < K ? k[kq + i] : 0.0f;
         sa[n] = a * hist[t - t0][n];
         acc += kk[n] * sa[n];
       }
@@ -176,7 +176,7 @@ inline size_t gdn_row(uint b, int t, uint h, int n_tokens, int n_heads) {
       acc = 0.0f;
       for (int n = 0; n < NK; ++n) {
         int i = int(lane) + 32 * n;
-        float qv = i < K ? qr[i] : 0.0f;
+        float qv = i < K ? q[kq + i] : 0.0f;
         ds[n] += qv * doj;
         acc += kk[n] * ds[n];
         red_q[sg][i] = (sa[n] + kk[n] * d) * doj;

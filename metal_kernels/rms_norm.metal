@@ -1,7 +1,8 @@
 // RMS normalisation over the last axis: y = x * rsqrt(mean(x^2) + eps) * w.
 // Layout: x is [rows, axis_size] row-contiguous; one threadgroup per row, its threads stride the
 // row, partial sums are reduced with simd_sum and then across SIMD groups in threadgroup memory.
-// Accumulation is in float whatever T is.
+// Accumulation is in float whatever T is. Inputs are indexed from their own pointers (no derived
+// `const device T*`): MLX passes inputs of fewer than 8 elements in the `constant` address space.
 
 // @header
 // Sum of `value` over the whole threadgroup; every thread gets the total.
@@ -35,18 +36,17 @@ inline float threadgroup_sum(float value, threadgroup float* scratch, threadgrou
   uint tid = thread_position_in_threadgroup.x;
   uint n_threads = threads_per_threadgroup.x;
   uint n = uint(axis_size);
-  const device T* xr = x + size_t(row) * n;
-  device T* yr = y + size_t(row) * n;
+  size_t base = size_t(row) * n;
   float acc = 0.0f;
   for (uint i = tid; i < n; i += n_threads) {
-    float v = float(xr[i]);
+    float v = float(x[base + i]);
     acc += v * v;
   }
   float sum_sq = threadgroup_sum(acc, scratch, total, thread_index_in_simdgroup,
                                  simdgroup_index_in_threadgroup, n_threads);
   float r = metal::rsqrt(sum_sq / float(n) + eps);
   for (uint i = tid; i < n; i += n_threads) {
-    yr[i] = static_cast<T>(w[i]) * static_cast<T>(float(xr[i]) * r);
+    y[base + i] = static_cast<T>(w[i]) * static_cast<T>(float(x[base + i]) * r);
   }
 
 // @kernel rms_norm_backward_dx
@@ -61,27 +61,25 @@ inline float threadgroup_sum(float value, threadgroup float* scratch, threadgrou
   uint lane = thread_index_in_simdgroup;
   uint simd_group = simdgroup_index_in_threadgroup;
   uint n = uint(axis_size);
-  const device T* xr = x + size_t(row) * n;
-  const device T* dyr = dy + size_t(row) * n;
-  device T* dxr = dx + size_t(row) * n;
+  size_t base = size_t(row) * n;
   float acc_sq = 0.0f;
   for (uint i = tid; i < n; i += n_threads) {
-    float v = float(xr[i]);
+    float v = float(x[base + i]);
     acc_sq += v * v;
   }
   float sum_sq = threadgroup_sum(acc_sq, scratch, total, lane, simd_group, n_threads);
   float r = metal::rsqrt(sum_sq / float(n) + eps);
   float acc_dot = 0.0f;
   for (uint i = tid; i < n; i += n_threads) {
-    acc_dot += float(dyr[i]) * float(w[i]) * float(xr[i]);
+    acc_dot += float(dy[base + i]) * float(w[i]) * float(x[base + i]);
   }
   // Reusing scratch/total is safe: the first sum's last barrier orders its reads of scratch
   // before these writes, and `total` is rewritten only after the next sum's first barrier.
   float dot = threadgroup_sum(acc_dot, scratch, total, lane, simd_group, n_threads);
   float coef = r * r * r * dot / float(n);
   for (uint i = tid; i < n; i += n_threads) {
-    float dn = float(dyr[i]) * float(w[i]);
-    dxr[i] = static_cast<T>(r * dn - float(xr[i]) * coef);
+    float dn = float(dy[base + i]) * float(w[i]);
+    dx[base + i] = static_cast<T>(r * dn - float(x[base + i]) * coef);
   }
   if (tid == 0) {
     rstd[row] = r;

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import re
 
 import numpy as np
 
-from . import _compiler, _signature, _translate
+from . import _compiler, _diagnostics, _signature, _translate
 from .lint import lint as _lint
 
 
@@ -32,6 +33,8 @@ _TYPES = {
     "complex64": ("complex64_t", np.complex64),
 }
 _LANE_ORDERS = {"forward": 0, "reversed": 1, "shuffled": 2}
+_MATH_MODES = ("safe", "relaxed", "fast")
+MAX_THREADS_PER_THREADGROUP = 1024
 _POISON_INT = {1: 0xEF, 2: 0xBEEF, 4: 0xDEADBEEF, 8: 0xDEADBEEFDEADBEEF}
 
 
@@ -84,25 +87,42 @@ def _as_input(x):
     if type(x).__module__.startswith("mlx"):
         import mlx.core as mx
 
+        # a view of the array's own buffer: strides (and the offset of a sliced array) as MLX passes
+        # them, no copy unless ensure_row_contiguous asks for one
         name = _dtype_name(x.dtype)
         if name == "bfloat16":
-            return float32_to_bf16_bits(np.array(x.astype(mx.float32))), name
-        return np.array(x), name
+            return np.asarray(mx.view(x, mx.uint16)), name
+        return np.asarray(x), name
     a = np.asarray(x)
     return a, _dtype_name(a.dtype)
+
+
+def _check_compile_options(options) -> dict:
+    """MLX's validation of ``compile_options`` (the math mode has no effect on the emulator)."""
+    if options is None:
+        return {"math_mode": "safe"}
+    if not isinstance(options, dict):
+        raise EmulatorError("[metal_kernel] Expected `compile_options` to be a dict.")
+    for key, value in options.items():
+        if key != "math_mode":
+            raise EmulatorError(f"[metal_kernel] Unknown compile option `{key}`.")
+        if value not in _MATH_MODES:
+            raise EmulatorError("[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
+    return {"math_mode": "safe", **options}
 
 
 class MetalKernel:
     """Callable like the object `mx.fast.metal_kernel` returns; runs on the CPU."""
 
     def __init__(self, name, input_names, output_names, source, header="",
-                 ensure_row_contiguous=True, atomic_outputs=False, lint=True):
+                 ensure_row_contiguous=True, atomic_outputs=False, compile_options=None, lint=True):
         if not output_names:
             raise EmulatorError("[metal_kernel] Must specify at least one output.")
         try:
             _signature.check_mlx_version()
         except RuntimeError as e:
             raise EmulatorError(f"kernel '{name}': {e}") from None
+        self.compile_options = _check_compile_options(compile_options)
         self.name = name
         self.input_names = list(input_names)
         self.output_names = list(output_names)
@@ -145,22 +165,31 @@ class MetalKernel:
         """The kernel text MLX 0.32 would generate for these arguments."""
         return self._signature(self._infos(inputs), output_dtypes, template)[1]
 
-    def translated_source(self, inputs, output_dtypes, template=None) -> str:
-        """The C++ the emulator compiles for these arguments."""
+    def translated_source(self, inputs, output_dtypes, template=None, mode="run") -> str:
+        """The C++ the emulator compiles for these arguments (``mode="check"``: the check pass's)."""
         fname, text, params, targs = self._signature(self._infos(inputs), output_dtypes, template)
-        return self._cpp(fname, text, params, targs)
+        return self._cpp(fname, text, params, targs, mode)
 
-    def _cpp(self, fname, text, params, targs):
-        return ('#include "metal_stdlib.hpp"\n'
-                f'#line 1 "{self.name}.metal"\n'
-                + _translate.translate(text)
-                + _translate.launcher(fname, targs, params))
+    def _cpp(self, fname, text, params, targs, mode="run"):
+        start = len(self.header) if text.startswith(self.header) else 0
+        # the Metal compiler defines __FAST_MATH__ in the "fast" math mode (the only visible effect of
+        # the math mode here: the emulator's functions are the precise ones in every mode)
+        fast = "#define __FAST_MATH__ 1\n" if self.compile_options["math_mode"] == "fast" else ""
+        cpp = (_compiler.PRELUDE_INCLUDE + fast + f'#line 1 "{self._file}"\n'
+               + _translate.translate(text, mode, kernel_start=start,
+                                      stores=() if self.atomic_outputs else self.output_names))
+        return cpp + _translate.launcher(fname, targs, params) if mode == "run" else cpp
+
+    @property
+    def _file(self) -> str:
+        return f"{self.name}.metal"
 
     # ------------------------------------------------------------ running
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
                  init_value=None, verbose=False, stream=None, lane_order="forward", seed=0,
                  check_races=True, strict_simd=False):
         del stream
+        # MLX's order: argument sizes, then the build (compile errors), then the threadgroup size
         if len(inputs) != len(self.input_names):
             raise EmulatorError(f"[metal_kernel] Expected `inputs` to have size "
                                 f"{len(self.input_names)} but got size {len(inputs)}.")
@@ -176,34 +205,36 @@ class MetalKernel:
         tg = tuple(int(t) for t in threadgroup)
         if len(grid) != 3 or len(tg) != 3:
             raise EmulatorError("grid and threadgroup must have 3 entries")
-        eff = [max(1, min(t, g)) for t, g in zip(tg, grid)]
-        if eff[0] * eff[1] * eff[2] > 1024:
-            raise EmulatorError(
-                f"kernel '{self.name}': threadgroup {tuple(eff)} has {eff[0] * eff[1] * eff[2]} "
-                "threads, more than the 1024 a Metal device allows")
 
         arrays, names = [], []
-        for x in inputs:
+        for iname, x in zip(self.input_names, inputs):
             a, n = _as_input(x)
-            if n in ("float64", "complex64"):
-                raise EmulatorError(f"kernel '{self.name}': {n} inputs are not supported")
-            if self.ensure_row_contiguous:
-                a = a if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(a.shape)
+            if n == "float64":
+                raise EmulatorError(f"kernel '{self.name}': input '{iname}' is float64; Metal has no double")
+            if self.ensure_row_contiguous and not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a)  # MLX copies inputs that are not row-contiguous
             arrays.append(a)
             names.append(n)
+        out_names = [_dtype_name(d) for d in output_dtypes]
+        for oname, n in zip(self.output_names, out_names):
+            if n == "float64":
+                raise EmulatorError(f"kernel '{self.name}': output '{oname}' is float64; Metal has no double")
         infos = [_signature.ArgInfo(_TYPES[n][0], int(a.size), int(a.ndim))
                  for a, n in zip(arrays, names)]
         fname, text, params, targs = self._signature(infos, output_dtypes, template)
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{text}\n```")
-        cpp = self._cpp(fname, text, params, targs)
-        try:
-            lib = _compiler.build(cpp)
-        except (_compiler.CompileError, _compiler.CompilerNotFound) as e:
-            raise EmulatorError(f"kernel '{self.name}': {e}") from None
+        lib = self._build(fname, text, params, targs)
+
+        n_threads = tg[0] * tg[1] * tg[2]
+        if n_threads > MAX_THREADS_PER_THREADGROUP:
+            raise EmulatorError(
+                f"kernel '{self.name}': [metal_kernel] Thread group size ({n_threads}) is greater than the "
+                f"maximum allowed threads per threadgroup ({MAX_THREADS_PER_THREADGROUP}).")
+        if min(tg) < 1:
+            raise EmulatorError(f"kernel '{self.name}': threadgroup {tg} has a dimension below 1")
 
         outs = []
-        out_names = [_dtype_name(d) for d in output_dtypes]
         for shape, n in zip(output_shapes, out_names):
             store = _TYPES[n][1]
             o = np.empty(tuple(int(s) for s in shape), dtype=store)
@@ -212,7 +243,7 @@ class MetalKernel:
                     o[...] = float32_to_bf16_bits(np.float32(init_value))
                 else:
                     o[...] = np.array(init_value).astype(store)
-            elif n in ("float32", "float16", "float64"):
+            elif n in ("float32", "float16", "complex64"):
                 o[...] = np.nan
             elif n == "bfloat16":
                 o[...] = 0x7FC1
@@ -223,10 +254,12 @@ class MetalKernel:
             outs.append(o)
 
         keep = []  # keep every buffer alive during the launch
-        ptrs, los, his = [], [], []
+        ptrs, los, his, out_elem, buf_names = [], [], [], [], []
 
-        def add(arr):
+        def add(arr, elem=0, name=""):
             keep.append(arr)
+            out_elem.append(elem)
+            buf_names.append(name)
             p = arr.ctypes.data
             if arr.flags.c_contiguous or arr.size == 0:
                 lo, hi = p, p + arr.nbytes
@@ -241,7 +274,9 @@ class MetalKernel:
                 continue
             what, i = p.source
             a = arrays[i] if what != "output" else outs[i]
-            if what in ("input", "output"):
+            if what == "output":
+                add(a, a.itemsize, p.name)
+            elif what == "input":
                 add(a)
             elif what == "shape":
                 add(np.array(a.shape, dtype=np.int32))
@@ -250,21 +285,45 @@ class MetalKernel:
             elif what == "ndim":
                 add(np.array(a.ndim, dtype=np.int32))
 
+        before = [a.copy() for a in arrays]  # inputs are const: a kernel must not change them
         n = len(ptrs)
         P = ctypes.c_void_p * max(n, 1)
+        I = ctypes.c_int * max(n, 1)
         U3 = ctypes.c_uint32 * 3
         with _compiler.launch_lock:
-            err = lib.mtl_launch(P(*ptrs), P(*los), P(*his), U3(*grid), U3(*tg),
+            err = lib.mtl_launch(P(*ptrs), P(*los), P(*his), I(*out_elem), n, U3(*grid), U3(*tg),
                                  _LANE_ORDERS[lane_order], int(seed) & (2**64 - 1),
                                  (1 if check_races else 0) | (2 if strict_simd else 0),
                                  self.name.encode())
         if err is not None:
-            raise EmulatorError(err.decode(errors="replace"))
+            msg = re.sub(r"output buffer (\d+)", lambda m: f"output '{buf_names[int(m.group(1))]}'",
+                         err.decode(errors="replace"))
+            raise EmulatorError(msg)
+        for iname, a, b in zip(self.input_names, arrays, before):
+            if not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
+                if a.flags.writeable:
+                    np.copyto(a, b)
+                raise EmulatorError(
+                    f"kernel '{self.name}': the kernel wrote to its input '{iname}' (MLX declares inputs "
+                    "`const`; writing through a pointer cast to non-const changes the caller's array)")
         return [bf16_bits_to_float32(o) if n == "bfloat16" else o for o, n in zip(outs, out_names)]
+
+    def _build(self, fname, text, params, targs):
+        """Check the text as Metal would, then compile it (both cached)."""
+        run_cpp = self._cpp(fname, text, params, targs, "run")
+        check_cpp = self._cpp(fname, text, params, targs, "check")
+        try:
+            return _compiler.build(run_cpp, check_cpp)
+        except _compiler.CheckError as e:
+            raise EmulatorError(
+                f"kernel '{self.name}': the Metal compiler would reject the generated source (lines of "
+                f"`generated_source(...)`):\n" + _diagnostics.metal_messages(e.stderr, self._file, text)) from None
+        except (_compiler.CompileError, _compiler.CompilerNotFound) as e:
+            raise EmulatorError(f"kernel '{self.name}': {e}") from None
 
 
 def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, lint=True) -> MetalKernel:
+                 atomic_outputs=False, compile_options=None, lint=True) -> MetalKernel:
     """Same arguments as `mx.fast.metal_kernel`; `lint=False` skips the Metal lint."""
     return MetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
-                       atomic_outputs, lint)
+                       atomic_outputs, compile_options, lint)

@@ -3,6 +3,7 @@
 // included or linked, so no clang needs a prebuilt libc++ (zig's would build one on first use).
 // Names follow <type_traits>; they live in `mtl_std` so they never meet a real `std`.
 #pragma once
+#pragma clang system_header  // warnings are the kernel's, not the prelude's
 
 namespace mtl_std {
 

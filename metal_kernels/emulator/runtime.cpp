@@ -6,6 +6,7 @@
 #include "mtl_abi.h"
 
 #include <setjmp.h>
+#include <stdint.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -61,6 +62,8 @@ enum State { READY, AT_BARRIER, AT_SIMD, DONE };
 struct LogEntry {
   char* addr;
   int size;
+  int out_id;  // -1: threadgroup memory; else the kernel buffer (an output) in device memory
+  int store;   // the kernel text assigns to it (`out[i] = v`): a store even if the value is unchanged
   unsigned char pre[kLogCopy];
 };
 
@@ -69,6 +72,7 @@ struct Fiber {
   char* stack;
   State state;
   unsigned line, col;
+  int bflags;  // mem_flags of the threadgroup_barrier the fiber waits at
   const char* op;
   mtl_thread_info info;
   Buf<LogEntry> log;
@@ -94,6 +98,24 @@ struct Shadow {
   uint8_t init;
 };
 
+// shadow state per element of an output buffer (device memory): the last writer and reader
+struct DevAccess {
+  int32_t tg;   // threadgroup (linear index + 1; 0: none)
+  int32_t tid;  // thread_index_in_threadgroup
+  int32_t ep;   // device-memory barrier epoch
+  int32_t ss;   // SIMD sync count of its simdgroup
+  uint32_t gid; // thread_position_in_grid, linear
+};
+struct DevShadow {
+  DevAccess w, r;
+};
+struct DevOut {
+  char* lo;
+  char* hi;
+  int elem;
+  DevShadow* sh;
+};
+
 Fiber* g_fibers = nullptr;
 char* g_stacks = nullptr;
 int g_n = 0;
@@ -112,7 +134,16 @@ alignas(64) char g_arena[kArenaBytes];
 Shadow* g_shadow = nullptr;
 int64_t g_arena_used = 0, g_arena_high = 0;
 Buf<Alloc> g_allocs;
-int32_t g_epoch = 0;
+int32_t g_epoch = 0;  // threadgroup barriers (with mem_threadgroup) passed in this threadgroup
+unsigned g_weak_line = 0;  // a barrier without mem_threadgroup passed in the current epoch (its line)
+constexpr int kMemDevice = 1;       // mem_flags::mem_device
+constexpr int kMemThreadgroup = 2;  // mem_flags::mem_threadgroup
+// device memory: outputs' shadows (by kernel buffer index), the current threadgroup, the epoch of
+// device-memory barriers (threadgroup_barrier with mem_device), the grid
+Buf<DevOut> g_outs;
+int32_t g_tg_index = 0;
+int32_t g_dev_epoch = 0;
+uint32_t g_grid[3];
 SimdGroup g_sg[kMaxThreads / MTL_SIMD_WIDTH];
 
 sigjmp_buf g_jmp;
@@ -179,6 +210,16 @@ inline bool concurrent(int tid, int32_t ep, int32_t ss, int me) {
   return (uint32_t)ss == g_sg[sg_of(me)].sync;
 }
 
+// why two accesses are unordered, for the race messages
+const char* race_hint(char* buf, size_t n) {
+  if (g_weak_line)
+    snprintf(buf, n, "; the threadgroup_barrier on line %u orders no threadgroup memory: its mem_flags "
+             "lack mem_flags::mem_threadgroup", g_weak_line);
+  else
+    snprintf(buf, n, " (missing threadgroup_barrier?)");
+  return buf;
+}
+
 void shadow_access(Fiber* f, char* addr, int size, bool write) {
   int me = (int)f->info.thread_index_in_threadgroup;
   int64_t base = addr - g_arena;
@@ -194,18 +235,21 @@ void shadow_access(Fiber* f, char* addr, int size, bool write) {
         return;
       }
       if (g_check_races && concurrent(s.w_tid, s.w_ep, s.w_ss, me)) {
-        char d[256], other[64];
+        char d[256], other[64], hint[200];
         describe_addr(d, sizeof d, addr, size);
         fmt_pos(other, sizeof other, &g_fibers[s.w_tid]);
         set_error(f,
                   "threadgroup memory race: reads %s, written by thread %s in the same barrier "
-                  "interval (missing threadgroup_barrier?)",
-                  d, other);
+                  "interval%s",
+                  d, other, race_hint(hint, sizeof hint));
         return;
       }
-      s.r_tid = me;
-      s.r_ep = g_epoch;
-      s.r_ss = ss;
+      // keep an unordered read by another thread: a later write by this thread must still see it
+      if (!concurrent(s.r_tid, s.r_ep, s.r_ss, me)) {
+        s.r_tid = me;
+        s.r_ep = g_epoch;
+        s.r_ss = ss;
+      }
     } else {
       if (g_check_races) {
         int other_tid = -1;
@@ -218,13 +262,13 @@ void shadow_access(Fiber* f, char* addr, int size, bool write) {
           kind = "read";
         }
         if (kind) {
-          char d[256], other[64];
+          char d[256], other[64], hint[200];
           describe_addr(d, sizeof d, addr, size);
           fmt_pos(other, sizeof other, &g_fibers[other_tid]);
           set_error(f,
                     "threadgroup memory race: writes %s, %s by thread %s in the same barrier "
-                    "interval (missing threadgroup_barrier?)",
-                    d, kind, other);
+                    "interval%s",
+                    d, kind, other, race_hint(hint, sizeof hint));
           return;
         }
       }
@@ -233,6 +277,67 @@ void shadow_access(Fiber* f, char* addr, int size, bool write) {
       s.w_ep = g_epoch;
       s.w_ss = ss;
     }
+  }
+}
+
+void fmt_gid(char* buf, size_t n, uint32_t gid) {
+  snprintf(buf, n, "(%u, %u, %u)", gid % g_grid[0], (gid / g_grid[0]) % g_grid[1], gid / (g_grid[0] * g_grid[1]));
+}
+
+// Are an earlier device-memory access `a` and one by thread `me` of this threadgroup unordered?
+// Threadgroups of one dispatch are never ordered; in a threadgroup, a threadgroup_barrier with
+// mem_device orders them, and in a simdgroup any SIMD collective.
+inline bool dev_concurrent(const DevAccess& a, int me) {
+  if (a.tg == 0) return false;
+  if (a.tg != g_tg_index) return true;
+  if (a.tid == me || a.ep != g_dev_epoch) return false;
+  if (sg_of(a.tid) != sg_of(me)) return true;
+  return (uint32_t)a.ss == g_sg[sg_of(me)].sync;
+}
+
+// A write (the bytes changed) is checked against the element's earlier writer and reader, a read
+// against its earlier writer. A store of the value already there (`out[i] = v` written in the
+// kernel text, bytes unchanged) is checked against nothing: threads that all store one value to one
+// place are not reported.
+void dev_access(Fiber* f, int oid, char* addr, int size, bool write, bool store) {
+  if (oid < 0 || (size_t)oid >= g_outs.size()) return;
+  DevOut& o = g_outs[oid];
+  if (!o.sh || addr < o.lo || addr + size > o.hi) return;
+  int me = (int)f->info.thread_index_in_threadgroup;
+  const uint32_t* p = f->info.thread_position_in_grid;
+  DevAccess now{g_tg_index, me, g_dev_epoch, (int32_t)g_sg[sg_of(me)].sync,
+                p[0] + g_grid[0] * (p[1] + g_grid[1] * p[2])};
+  int64_t e0 = (addr - o.lo) / o.elem, e1 = (addr + size - 1 - o.lo) / o.elem;
+  for (int64_t e = e0; e <= e1; ++e) {
+    DevShadow& s = o.sh[e];
+    if (g_check_races && (write || !store)) {
+      const DevAccess* other = nullptr;
+      const char* kind = nullptr;
+      if (dev_concurrent(s.w, me)) other = &s.w, kind = "written";
+      else if (write && dev_concurrent(s.r, me)) other = &s.r, kind = "read";
+      if (other) {
+        char pos[64];
+        fmt_gid(pos, sizeof pos, other->gid);
+        const char* what = write ? "writes" : "reads";
+        if (other->tg != g_tg_index)
+          set_error(f,
+                    "device memory race: %s element %lld (%d-byte elements) of output buffer %d, %s by "
+                    "thread %s of another threadgroup; threadgroups of one dispatch are never ordered "
+                    "(accumulate with atomics, or split the work into separate kernels)",
+                    what, (long long)e, o.elem, oid, kind, pos);
+        else
+          set_error(f,
+                    "device memory race: %s element %lld (%d-byte elements) of output buffer %d, %s by "
+                    "thread %s of this threadgroup with no threadgroup_barrier(mem_flags::mem_device) "
+                    "between them",
+                    what, (long long)e, o.elem, oid, kind, pos);
+        return;
+      }
+    }
+    if (write || store)
+      s.w = now;
+    else if (!dev_concurrent(s.r, me))  // keep an unordered read by another thread (see shadow_access)
+      s.r = now;
   }
 }
 
@@ -269,7 +374,10 @@ void process_log(Fiber* f) {
   }
   for (size_t k = 0; k < n && !g_failed; ++k) {
     LogEntry& e = log[k];
-    shadow_access(f, e.addr, e.size > kLogCopy ? kLogCopy : e.size, is_write[k]);
+    if (e.out_id >= 0)
+      dev_access(f, e.out_id, e.addr, e.size, is_write[k], e.store);
+    else
+      shadow_access(f, e.addr, e.size > kLogCopy ? kLogCopy : e.size, is_write[k]);
   }
   log.clear();
 }
@@ -362,6 +470,7 @@ bool run_threadgroup(int nthreads, int order) {
   g_allocs.clear();
   g_arena_used = 0;
   g_epoch = 0;
+  g_weak_line = 0;
   for (int64_t i = 0; i < kArenaBytes; ++i) g_arena[i] = kPoison[i & 3];
   if (g_arena_high > 0) memset(g_shadow, 0, sizeof(Shadow) * g_arena_high);
   for (int64_t i = 0; i < g_arena_high; ++i) g_shadow[i].w_tid = g_shadow[i].r_tid = -1;
@@ -443,7 +552,12 @@ bool run_threadgroup(int nthreads, int order) {
       g.snap.mask = alive;
       memcpy(g.snap.data, g.live, sizeof g.live);
       memcpy(g.snap.arg, g.live_arg, sizeof g.live_arg);
-      g.sync++;
+      // SIMD collectives order the simdgroup's threadgroup-memory accesses (its lanes run in
+      // lockstep), except a simdgroup_barrier whose mem_flags lack mem_threadgroup
+      Fiber& f1 = g_fibers[first];
+      if (strcmp(f1.op, "simdgroup_barrier") != 0 ||
+          (g.live_arg[first - lo] & kMemThreadgroup))
+        g.sync++;
       for (int t = lo; t < hi; ++t)
         if (g_fibers[t].state == AT_SIMD) g_fibers[t].state = READY;
       released = true;
@@ -484,7 +598,18 @@ bool run_threadgroup(int nthreads, int order) {
                 g_fibers[first].line, a);
       return false;
     }
-    g_epoch++;
+    // the barrier orders threadgroup memory only if its flags say so (Metal: mem_none orders
+    // nothing, mem_device only device memory)
+    int flags = ~0;
+    for (int t = 0; t < nthreads; ++t)
+      if (g_fibers[t].state == AT_BARRIER) flags &= g_fibers[t].bflags;
+    if (flags & kMemThreadgroup) {
+      g_epoch++;
+      g_weak_line = 0;
+    } else {
+      g_weak_line = g_fibers[first].line;
+    }
+    if (flags & kMemDevice) g_dev_epoch++;
     for (int t = 0; t < nthreads; ++t) g_fibers[t].state = READY;
   }
 }
@@ -500,10 +625,11 @@ __attribute__((noreturn)) void mtl_rt_fail(const char* msg) {
 
 const mtl_thread_info* mtl_rt_thread(void) { return &g_cur->info; }
 
-void mtl_rt_barrier(unsigned line, unsigned col) {
+void mtl_rt_barrier(int flags, unsigned line, unsigned col) {
   process_log(g_cur);
   if (g_failed) abort_fiber();
   g_cur->state = AT_BARRIER;
+  g_cur->bflags = flags;
   g_cur->line = line;
   g_cur->col = col;
   switch_to_scheduler();
@@ -561,10 +687,22 @@ void mtl_rt_tg_bounds(const void* p, char** lo, char** hi, const char** name) {
   *name = a->name;
 }
 
+void mtl_rt_dev_log(int out_id, void* addr, int size, int store) {
+  LogEntry e;
+  e.addr = (char*)addr;
+  e.size = size;
+  e.out_id = out_id;
+  e.store = store;
+  memcpy(e.pre, addr, size < kLogCopy ? size : kLogCopy);
+  g_cur->log.push_back(e);
+}
+
 void mtl_rt_tg_log(void* addr, int size) {
   LogEntry e;
   e.addr = (char*)addr;
   e.size = size;
+  e.out_id = -1;
+  e.store = 0;
   memcpy(e.pre, addr, size < kLogCopy ? size : kLogCopy);
   g_cur->log.push_back(e);
 }
@@ -606,7 +744,8 @@ void mtl_rt_oob(const char* what, const char* name, const void* p, const void* l
 }
 
 // Entry point called from Python. Returns NULL on success, else an error text.
-const char* mtl_launch(void* const* bufs, void* const* lo, void* const* hi, const uint32_t* grid,
+const char* mtl_launch(void* const* bufs, void* const* lo, void* const* hi, const int* out_elem, int nbufs,
+                       const uint32_t* grid,
                        const uint32_t* tgs, int order, uint64_t seed, int check_races,
                        const char* kname) {
   g_failed = false;
@@ -615,6 +754,17 @@ const char* mtl_launch(void* const* bufs, void* const* lo, void* const* hi, cons
   g_check_races = check_races & 1;
   g_strict_simd = (check_races >> 1) & 1;
   g_bufs = bufs;
+  for (int d = 0; d < 3; ++d) g_grid[d] = grid[d] ? grid[d] : 1;
+  g_dev_epoch = 0;
+  g_outs.clear();
+  for (int k = 0; k < nbufs; ++k) {
+    DevOut o{(char*)lo[k], (char*)hi[k], out_elem[k], nullptr};
+    if (o.elem > 0 && g_check_races && o.hi > o.lo) {
+      o.sh = (DevShadow*)calloc((size_t)((o.hi - o.lo) / o.elem + 1), sizeof(DevShadow));
+      if (!o.sh) return "emulator: out of memory (device-memory race shadow)";
+    }
+    g_outs.push_back(o);
+  }
   g_lo = lo;
   g_hi = hi;
   g_rng = seed * 0x9E3779B97F4A7C15ull + 0x1234567ull;
@@ -686,6 +836,7 @@ const char* mtl_launch(void* const* bufs, void* const* lo, void* const* hi, cons
         I.threads_per_simdgroup = MTL_SIMD_WIDTH;
         I.thread_execution_width = MTL_SIMD_WIDTH;
       }
+      g_tg_index = (int32_t)gi + 1;
       if (!run_threadgroup(n, order)) {
         ok = false;
         break;
@@ -703,6 +854,8 @@ const char* mtl_launch(void* const* bufs, void* const* lo, void* const* hi, cons
   sigaltstack(&old_ss, nullptr);
   g_cur = nullptr;
   release_stacks();
+  for (DevOut& o : g_outs) free(o.sh);
+  g_outs.clear();
   if (!ok && !g_err[0]) snprintf(g_err, sizeof g_err, "kernel '%s': unknown failure", kname);
   return ok ? nullptr : g_err;
 }

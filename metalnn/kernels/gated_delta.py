@@ -26,6 +26,8 @@ MAX_SIMDGROUPS = 8
 #: CHECKPOINT times that in the backward kernel's history); the backward kernel's threadgroup
 #: arrays take (2 * NK * 32 + 2) * SG floats, under 32 KiB for NK <= 8 and SG <= MAX_SIMDGROUPS.
 MAX_K = 256
+#: Threadgroup memory of a Metal threadgroup, in bytes.
+THREADGROUP_MEMORY = 32768
 
 
 def supports(q, v) -> bool:
@@ -42,6 +44,21 @@ def _registers(K: int) -> int:
 def _simdgroups(V: int) -> int:
     """The largest divisor of V that is at most MAX_SIMDGROUPS."""
     return max(d for d in range(1, min(V, MAX_SIMDGROUPS) + 1) if V % d == 0)
+
+
+def _backward_simdgroups(K: int, V: int) -> int:
+    """SIMD groups per threadgroup of the backward kernel: the largest divisor of V, at most
+    MAX_SIMDGROUPS, whose threadgroup memory (``red_q``, ``red_k``: SG x 32 * ceil(K / 32) floats
+    each, ``red_s``: SG x 2 floats) fits in THREADGROUP_MEMORY. Raises ValueError before any launch
+    when not even one SIMD group fits (K > 4064; `supports` already routes K > MAX_K elsewhere)."""
+    per_group = 4 * (2 * 32 * -(-K // 32) + 2)
+    fits = [d for d in range(1, min(V, MAX_SIMDGROUPS) + 1) if V % d == 0 and d * per_group <= THREADGROUP_MEMORY]
+    if not fits:
+        raise ValueError(
+            f"gated_delta_rule backward kernel: a key head dimension of {K} needs {per_group} bytes of threadgroup "
+            f"memory per SIMD group, more than the {THREADGROUP_MEMORY} bytes of a Metal threadgroup (the kernel "
+            "handles K <= 4064); use Device(kernels='reference') or 'auto' for this size")
+    return max(fits)
 
 
 @lru_cache(maxsize=None)
@@ -64,13 +81,14 @@ def _function(backend: str, options: tuple):
     @fn.vjp
     def fn_vjp(primals, cotangents, outputs):
         q, k, v, g, beta, _ = primals
-        B, T, H, K, V, sg, grid, tg = dims(q, v)
+        B, T, H, K, V, _, grid, _ = dims(q, v)
+        sg_b = _backward_simdgroups(K, V)  # the backward's threadgroup arrays must fit in 32 KiB
         d_o, d_ht = (c.astype(mx.float32) for c in cotangents[:2])
         shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (B, H, K, V)]
         return tuple(launch.run(FAMILY, "gated_delta_backward", backend,
                                 [q, k, v, g, beta, outputs[2], d_o, d_ht, T, H, K, V], shapes,
-                                [mx.float32] * len(shapes), grid=grid, threadgroup=tg,
-                                template=[("NK", _registers(K)), ("CK", CHECKPOINT), ("SG", sg)],
+                                [mx.float32] * len(shapes), grid=grid, threadgroup=(32, sg_b, 1),
+                                template=[("NK", _registers(K)), ("CK", CHECKPOINT), ("SG", sg_b)],
                                 init_value=0, atomic_outputs=True, emulator_options=options))
 
     return fn

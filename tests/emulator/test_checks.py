@@ -66,20 +66,70 @@ def test_race_in_tree_reduction(order):
         run(bad, x, 2, (128, 1, 1), (64, 1, 1), order)
 
 
-def test_device_memory_race_shows_across_lane_orders():
-    # not tracked by the checker: races through device memory show up as
-    # different answers under different lane orders
+def test_device_memory_race():
+    # thread i reads out[i + 1], which thread i + 1 writes: unordered accesses to device memory
     k = metal_kernel("dev_race", ["x"], ["out"], """
         uint i = thread_position_in_grid.x;
         out[i] = x[i];
         if (i + 1 < 32) out[i] += out[i + 1];
     """)
     x = np.ones(32, np.float32)
-    fwd = run(k, x, 32, (32, 1, 1), (32, 1, 1), "forward")
-    rev = run(k, x, 32, (32, 1, 1), (32, 1, 1), "reversed")
+    # the reader runs first: thread 1's write finds thread 0's read
+    with pytest.raises(EmulatorError, match=r"kernel 'dev_race', thread_position_in_grid=\(1, 0, 0\).*device memory "
+                       r"race: writes element 1 \(4-byte elements\) of output 'out', read by thread \(0, 0, 0\) of "
+                       r"this threadgroup with no threadgroup_barrier\(mem_flags::mem_device\)"):
+        run(k, x, 32, (32, 1, 1), (32, 1, 1), "forward")
+    # the writer runs first: thread 30's read finds thread 31's write
+    with pytest.raises(EmulatorError, match=r"thread_position_in_grid=\(30, 0, 0\).*reads element 31 .* written by "
+                       r"thread \(31, 0, 0\)"):
+        run(k, x, 32, (32, 1, 1), (32, 1, 1), "reversed")
+    # unchecked, the answer depends on the order
+    fwd = run(k, x, 32, (32, 1, 1), (32, 1, 1), "forward", check_races=False)
+    rev = run(k, x, 32, (32, 1, 1), (32, 1, 1), "reversed", check_races=False)
     assert np.isnan(fwd[:31]).all()  # read the poisoned, not yet written, neighbour
     assert not np.isnan(rev).any()
-    assert not np.array_equal(fwd, rev, equal_nan=True)
+
+
+def test_device_memory_barrier_and_threadgroups():
+    # a threadgroup_barrier with mem_device orders device memory inside a threadgroup ...
+    src = """
+        uint i = thread_position_in_grid.x;
+        uint lid = thread_index_in_threadgroup;
+        tmp[i] = x[i];
+        threadgroup_barrier(FLAGS);
+        out[i] = tmp[i] + tmp[i - lid + (lid + 1) % 32];
+    """
+    x = np.arange(64, dtype=np.float32)
+
+    def run2(k, order):
+        return k(inputs=[x], output_shapes=[(64,), (64,)], output_dtypes=[mx.float32] * 2, grid=(64, 1, 1),
+                 threadgroup=(32, 1, 1), lane_order=order)[1]
+
+    ok = metal_kernel("dev_barrier", ["x"], ["tmp", "out"], src.replace("FLAGS", "mem_flags::mem_device"))
+    o = run2(ok, "shuffled")
+    np.testing.assert_array_equal(o.reshape(2, 32), x.reshape(2, 32) + np.roll(x.reshape(2, 32), -1, axis=1))
+    bad = metal_kernel("dev_barrier_tg", ["x"], ["tmp", "out"], src.replace("FLAGS", "mem_flags::mem_threadgroup"))
+    with pytest.raises(EmulatorError, match=r"device memory race: reads element 1 .* of output 'tmp', written by "
+                       r"thread \(1, 0, 0\) of this threadgroup"):
+        run2(bad, "forward")
+    # a write after the thread's own read still sees another thread's unordered read
+    racy = metal_kernel("dev_reread", ["x"], ["tmp", "out"], src.replace("FLAGS", "mem_flags::mem_device") +
+                        "tmp[i] = 0.0f;")
+    with pytest.raises(EmulatorError, match=r"device memory race: writes element \d+ .* of output 'tmp', read by"):
+        run2(racy, "forward")
+    # ... but nothing orders two threadgroups of one dispatch
+    cross = metal_kernel("dev_cross", ["x"], ["out"], """
+        uint i = thread_position_in_grid.x;
+        out[i % 32] = x[i];
+    """)
+    with pytest.raises(EmulatorError, match=r"thread_position_in_grid=\(32, 0, 0\).*device memory race: writes element 0 "
+                       r".* written by thread \(0, 0, 0\) of another threadgroup; threadgroups of one dispatch are "
+                       r"never ordered"):
+        run(cross, x, 32, (64, 1, 1), (32, 1, 1))
+    # threads that all store the same value are not reported (a store of the value already there
+    # looks like a read)
+    same = metal_kernel("dev_same", ["x"], ["out"], "out[0] = 7.0f;")
+    assert run(same, x, 1, (64, 1, 1), (32, 1, 1))[0] == 7.0
 
 
 def test_out_of_bounds_write():
