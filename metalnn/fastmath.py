@@ -112,15 +112,34 @@ def has_avx2() -> bool:
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
+def _float32_inside(fn):
+    """Run ``fn`` in float32 for float16/bfloat16 inputs and cast the result back, as the
+    native kernels do (a multi-op formula rounded to half precision after every op loses
+    several bits more)."""
+
+    def wrapped(x, *args, stream=None):
+        if x.dtype in (mx.float16, mx.bfloat16):
+            args = [a.astype(mx.float32, stream=stream) if isinstance(a, mx.array) else a for a in args]
+            y = fn(x.astype(mx.float32, stream=stream), *args, stream=stream)
+            return y.astype(x.dtype, stream=stream)
+        return fn(x, *args, stream=stream)
+
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+@_float32_inside
 def _mlx_silu(x, stream=None):
     return mx.multiply(x, mx.sigmoid(x, stream=stream), stream=stream)
 
 
+@_float32_inside
 def _mlx_gelu_tanh(x, stream=None):
     inner = _GELU_C * (x + 0.044715 * mx.power(x, 3, stream=stream))
     return 0.5 * x * (1 + mx.tanh(inner, stream=stream))
 
 
+@_float32_inside
 def _mlx_softmax_grad(y, g, stream=None):
     d = mx.sum(g * y, axis=-1, keepdims=True, stream=stream)
     return mx.multiply(y, g - d, stream=stream)
