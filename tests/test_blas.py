@@ -653,3 +653,32 @@ def test_matmul_correct_without_shim():
 @pytest.mark.skipif(not LINUX_X86_64, reason="the OpenBLAS shim is used on Linux x86_64 only")
 def test_matmul_correct_single_thread():
     assert _check_correctness(env={"OPENBLAS_NUM_THREADS": "1"}) is True
+
+
+@needs_shim
+@pytest.mark.slow
+def test_sdist_builds_and_installs_the_native_parts(tmp_path):
+    """A fresh `pip wheel <sdist>` (isolated build environment, no wheel cache) builds the
+    cblas shim and metalnn._fastmath; installed, both load, with mlx imported first."""
+    src = _source_tree_copy(tmp_path / "src")
+    run_cmd([sys.executable, "-c", "from setuptools import build_meta; build_meta.build_sdist('dist')"], cwd=src)
+    (sdist,) = glob.glob(os.path.join(src, "dist", "metalnn-*.tar.gz"))
+    wheels = tmp_path / "wheels"
+    run_cmd([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-q", "-w", str(wheels), sdist],
+            cwd=tmp_path, timeout=900)
+    (wheel,) = glob.glob(str(wheels / "metalnn-*.whl"))
+    python = _venv_on_top_of_this_one(tmp_path / "venv")
+    run_cmd([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index", wheel],
+            cwd=tmp_path)
+    out = last_json(
+        run_py(
+            "import io, json, sys\nimport mlx.core as mx\nimport metalnn, metalnn.fastmath as fm\n"
+            "buf = io.StringIO(); mx.export_to_dot(buf, fm.silu(mx.ones((4,))))\n"
+            "print(json.dumps({'file': metalnn.__file__, 'fastmath': fm.available(), 'why': fm.unavailable_reason(),"
+            " 'native': 'FastSilu' in buf.getvalue(), 'blas': sys.modules['metalnn._blas'].blas_info()}))\n",
+            prelude=False, cwd=tmp_path, python=python,
+        )
+    )
+    assert out["file"].startswith(str(tmp_path / "venv")), out
+    assert out["fastmath"] is True and out["native"] is True, out["why"]
+    assert out["blas"]["active"] is True and out["blas"]["loaded_by"] == "startup hook", out["blas"]

@@ -463,3 +463,111 @@ def test_env_var_disables_the_extension():
     assert out["available"] is False and out["native"] is False
     assert "METALNN_FASTMATH" in out["reason"]
     np.testing.assert_allclose(out["y"], ref_value("silu", np.array([[-2.0, 0.0, 1.5]])), rtol=RTOL, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------- loading
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LOAD_REPORT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import mlx.core as mx
+        import metalnn.fastmath as fm
+    y = fm.silu(mx.array([[-2.0, 0.0, 1.5]]))
+    print(json.dumps({"available": fm.available(), "reason": fm.unavailable_reason(), "y": y.tolist(),
+                      "imported": "metalnn._fastmath" in sys.modules, "file": fm.__file__,
+                      "warnings": [str(w.message) for w in caught if "metalnn" in str(w.message)]}))
+    """
+)
+
+
+def _run_report(prelude: str = "", pythonpath: str | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "METALNN_FASTMATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+        # an editable install's finder would still serve the checkout's modules
+        prelude = (
+            "import sys\nsys.meta_path[:] = [f for f in sys.meta_path "
+            "if not getattr(f, '__module__', '').startswith('__editable__')]\n" + prelude
+        )
+    proc = subprocess.run([sys.executable, "-c", prelude + LOAD_REPORT], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=os.path.dirname(REPO))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # whatever happened, the functions work (fallback or not)
+    np.testing.assert_allclose(out["y"], ref_value("silu", np.array([[-2.0, 0.0, 1.5]])), rtol=RTOL, atol=ATOL)
+    return out
+
+
+def _package_copy(tmp_path, patch=None) -> str:
+    """A copy of the metalnn package (with its built libraries) under tmp_path; ``patch``
+    maps the extension file's bytes to new bytes (None: leave the extension out)."""
+    import shutil
+
+    dest = tmp_path / "site" / "metalnn"
+    shutil.copytree(os.path.join(REPO, "metalnn"), dest, ignore=shutil.ignore_patterns("__pycache__", "_fastmath*"))
+    if patch is not None:
+        (ext,) = [f for f in os.listdir(os.path.join(REPO, "metalnn")) if f.startswith("_fastmath") and f.endswith(".so")]
+        data = open(os.path.join(REPO, "metalnn", ext), "rb").read()
+        (dest / ext).write_bytes(patch(data))
+    return str(tmp_path / "site")
+
+
+@native
+def test_loads_in_a_fresh_process():
+    out = _run_report()
+    assert out["available"] is True and out["reason"] is None and out["imported"] is True
+    assert out["warnings"] == []
+
+
+def test_missing_extension_falls_back(tmp_path):
+    out = _run_report(pythonpath=_package_copy(tmp_path, patch=None))
+    assert out["file"].startswith(str(tmp_path))  # the copy, not the checkout
+    assert out["available"] is False and out["imported"] is False
+    assert "not built" in out["reason"]
+    assert out["warnings"] == []  # a missing optional extension is not an error
+
+
+@native
+def test_other_mlx_version_is_refused_before_import(tmp_path):
+    """An extension built for another mlx is never imported; the reason names both versions."""
+    installed = mx.__version__.encode()
+    other = b"0.31.9"[: len(installed)].ljust(len(installed), b"9")
+    assert other != installed
+
+    def patch(data):
+        tag = b"metalnn_fastmath_mlx_version=" + installed + b"\0"
+        assert data.count(tag) == 1
+        return data.replace(tag, b"metalnn_fastmath_mlx_version=" + other + b"\0")
+
+    out = _run_report(pythonpath=_package_copy(tmp_path, patch))
+    assert out["available"] is False and out["imported"] is False
+    assert f"built against mlx {other.decode()} but mlx {installed.decode()} is installed" in out["reason"]
+    assert len(out["warnings"]) == 1 and out["reason"] in out["warnings"][0]
+
+
+@native
+def test_other_nanobind_abi_is_refused_before_import(tmp_path):
+    def patch(data):
+        import re
+
+        keys = set(re.findall(rb"nanobind_[A-Za-z0-9_]+_a\d+_v\d+", data))
+        assert len(keys) == 1, keys
+        (key,) = keys
+        head, version = key.rsplit(b"_v", 1)
+        other = head + b"_v" + str(int(version) - 1).encode().rjust(len(version), b"0")
+        return data.replace(key, other)
+
+    out = _run_report(pythonpath=_package_copy(tmp_path, patch))
+    assert out["available"] is False and out["imported"] is False
+    assert "nanobind internals" in out["reason"] and len(out["warnings"]) == 1
+
+
+def test_never_loaded_on_macos():
+    """On macOS the extension is not even looked for (simulated: sys.platform is read at import)."""
+    out = _run_report(prelude="import sys\nsys.platform = 'darwin'\n")
+    assert out["available"] is False and out["imported"] is False
+    assert "macOS" in out["reason"]

@@ -31,6 +31,13 @@ using metalnn_fastmath::Kind;
 #define METALNN_MLX_VERSION "unknown"
 #endif
 
+// The mlx version this binary was built against, findable in the file itself:
+// metalnn/_native_ext.py reads it before importing the module, because importing
+// a build for another libmlx may already fail or misbehave.
+extern "C" __attribute__((used, visibility("default"))) const char
+    metalnn_fastmath_build_tag[] =
+        "metalnn_fastmath_mlx_version=" METALNN_MLX_VERSION;
+
 namespace {
 
 const char* kind_name(Kind k) {
@@ -794,4 +801,5 @@ NB_MODULE(_fastmath, m) {
     return metalnn_fastmath::force_scalar_flag();
   });
   m.attr("mlx_version") = METALNN_MLX_VERSION;
+  m.attr("build_tag") = metalnn_fastmath_build_tag;
 }
