@@ -1,7 +1,7 @@
-// metalnn.fastmath native extension: vectorised, differentiable CPU
-// primitives for MLX (exp, sigmoid, silu, tanh, gelu_tanh, softmax over the
-// last axis), bound with nanobind in MLX's nanobind domain so mx.array
-// objects pass straight through.
+// metalnn's native extension: vectorised, differentiable CPU primitives for
+// MLX (exp, sigmoid, silu, tanh, gelu_tanh, softmax over the last axis here;
+// im2col / col2im in im2col.cpp), bound with nanobind in MLX's nanobind domain
+// so mx.array objects pass straight through.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -21,6 +21,7 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 
+#include "im2col.h"
 #include "kernels.h"
 
 namespace mx = mlx::core;
@@ -800,6 +801,7 @@ NB_MODULE(_fastmath, m) {
   m.def("get_force_scalar", []() {
     return metalnn_fastmath::force_scalar_flag();
   });
+  register_im2col(m);
   m.attr("mlx_version") = METALNN_MLX_VERSION;
   m.attr("build_tag") = metalnn_fastmath_build_tag;
 }
