@@ -143,12 +143,12 @@ def _col2im_mlx(cols, size, k, s, p, d, out):
 # ----------------------------------------------------------------------------- public ops
 
 
-def im2col(x: mx.array, kernel_size, *, stride=1, padding=0, dilation=1, stream=None) -> mx.array:
+def im2col(x: mx.array, kernel_size, *, stride=1, padding=0, dilation=1, native=True, stream=None) -> mx.array:
     """Sliding windows of ``x [N, C, *S]`` (1 to 3 spatial axes) as columns ``[N, C*K, L]``.
 
     Same values as ``torch.nn.functional.unfold`` (which covers 2-D only). ``kernel_size``,
     ``stride``, ``padding`` (zeros, both sides) and ``dilation`` are ints or tuples with one
-    value per spatial axis.
+    value per spatial axis. ``native=False`` computes it with plain MLX ops (the reference).
     """
     if not isinstance(x, mx.array):
         raise TypeError(f"im2col: x must be an mx.array, got {type(x).__name__}")
@@ -157,7 +157,7 @@ def im2col(x: mx.array, kernel_size, *, stride=1, padding=0, dilation=1, stream=
     n = x.ndim - 2
     k, s, p, d = _window("im2col", n, kernel_size, stride, padding, dilation)
     out = _out_sizes("im2col", x.shape[2:], k, s, p, d)
-    if _native_ok(stream):
+    if native and _native_ok(stream):
         return _ext.im2col(x, list(k), list(s), list(p), list(d), stream=stream)
     if stream is not None:
         with mx.stream(stream):
@@ -165,7 +165,9 @@ def im2col(x: mx.array, kernel_size, *, stride=1, padding=0, dilation=1, stream=
     return _im2col_mlx(x, k, s, p, d, out)
 
 
-def col2im(cols: mx.array, output_size, kernel_size, *, stride=1, padding=0, dilation=1, stream=None) -> mx.array:
+def col2im(
+    cols: mx.array, output_size, kernel_size, *, stride=1, padding=0, dilation=1, native=True, stream=None
+) -> mx.array:
     """Sum columns ``[N, C*K, L]`` back into ``[N, C, *output_size]`` (the adjoint of :func:`im2col`).
 
     Same values as ``torch.nn.functional.fold`` (2-D only there). ``output_size`` is a tuple
@@ -188,7 +190,7 @@ def col2im(cols: mx.array, output_size, kernel_size, *, stride=1, padding=0, dil
         )
     if not mx.issubdtype(cols.dtype, mx.floating):
         raise TypeError(f"col2im: sums overlapping windows, so cols must be floating point, got {cols.dtype}")
-    if _native_ok(stream):
+    if native and _native_ok(stream):
         return _ext.col2im(cols, list(size), list(k), list(s), list(p), list(d), stream=stream)
     if stream is not None:
         with mx.stream(stream):

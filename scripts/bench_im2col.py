@@ -47,10 +47,6 @@ def best(fn, warmup: int, reps: int) -> float:
     return t
 
 
-def out_sizes(size, k, s, p, d):
-    return tuple((si + 2 * pi - di * (ki - 1) - 1) // st + 1 for si, ki, st, pi, di in zip(size, k, s, p, d))
-
-
 def torch_conv_ms(shape, k, s, p, d, o, warmup, reps):
     try:
         import torch
@@ -89,7 +85,6 @@ def run(args) -> None:
     for label, shape, k, s, p, d, o in SHAPES:
         x = mx.random.normal(shape)
         w = mx.random.normal((o, shape[1] * math.prod(k))) * 0.1
-        out = out_sizes(shape[2:], k, s, p, d)
         mx.eval(x, w)
         cols = ic.im2col(x, k, stride=s, padding=p, dilation=d)
         mx.eval(cols)
@@ -102,11 +97,11 @@ def run(args) -> None:
             return mx.value_and_grad(loss, argnums=(0, 1))
 
         native_conv = conv_loss(lambda xx: ic.im2col(xx, k, stride=s, padding=p, dilation=d))
-        mlx_conv = conv_loss(lambda xx: ic._im2col_mlx(xx, k, s, p, d, out))
+        mlx_conv = conv_loss(lambda xx: ic.im2col(xx, k, stride=s, padding=p, dilation=d, native=False))
         rows = [
-            ("im2col", lambda: ic._im2col_mlx(x, k, s, p, d, out),
+            ("im2col", lambda: ic.im2col(x, k, stride=s, padding=p, dilation=d, native=False),
              lambda: ic.im2col(x, k, stride=s, padding=p, dilation=d)),
-            ("col2im", lambda: ic._col2im_mlx(cols, shape[2:], k, s, p, d, out),
+            ("col2im", lambda: ic.col2im(cols, shape[2:], k, stride=s, padding=p, dilation=d, native=False),
              lambda: ic.col2im(cols, shape[2:], k, stride=s, padding=p, dilation=d)),
             ("conv fwd+bwd (GEMM)", lambda: mlx_conv(x, w), lambda: native_conv(x, w)),
         ]
