@@ -6,7 +6,11 @@ through the normal dynamic-linker lookup, so if a library exporting those symbol
 in the process's global scope *before* ``mlx.core`` is first imported, MLX binds to
 it instead (about 30x faster matmul, 15x faster conv on a 2-core x86_64 machine).
 
-``setup()`` (called first thing by ``import metalnn``) does exactly that:
+``setup()`` does exactly that. It runs at the first of ``import metalnn`` (which calls it
+first thing) and the first ``import mlx`` of the process: ``pip install`` puts a startup
+hook into site-packages (``metalnn-blas-hook.pth`` + ``_metalnn_blas_hook.py``, from
+``metalnn/_blas_hook.py``) that calls it just before MLX loads, so import order does not
+matter. Steps:
 
 1. loads OpenBLAS from the ``scipy-openblas32`` wheel with ``RTLD_GLOBAL``; its symbols
    carry a ``scipy_`` prefix (``scipy_cblas_sgemm``), so on its own MLX cannot use it;
@@ -20,7 +24,10 @@ Environment:
   ``METALNN_BLAS=off``  do nothing (MLX keeps its bundled reference BLAS).
 
 Nothing happens on macOS (MLX uses Accelerate there) or on other platforms.
-``blas_info()`` reports what happened.
+``blas_info()`` reports what happened. The only case left slow is ``mlx`` imported before
+``metalnn`` in a process where the startup hook could not run (``python -S``, or metalnn
+used from a source tree that was never pip-installed); setup() then warns once and names
+the ``LD_PRELOAD`` line that fixes it.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ _info: dict = {
     "library": None,  # OpenBLAS shared library that serves MLX's calls
     "shim": None,  # forwarding shim shared library
     "reason": "metalnn._blas.setup() has not run",
+    "loaded_by": None,  # "import metalnn", "startup hook" or "LD_PRELOAD" when active
 }
 # Keep the CDLL objects alive for the life of the process.
 _handles: list = []
@@ -194,15 +202,32 @@ def _preload_hint(openblas: str | None, shim: str | None) -> str:
     return "LD_PRELOAD=<path of libscipy_openblas.so>:<path of metalnn's _cblas_shim .so>"
 
 
-def setup() -> dict:
-    """Make MLX use OpenBLAS (Linux only). Idempotent; returns ``blas_info()``."""
+def setup(*, by: str = "import metalnn") -> dict:
+    """Make MLX use OpenBLAS (Linux only). Idempotent; returns ``blas_info()``.
+
+    ``by`` names the caller for ``blas_info()["loaded_by"]``.
+    """
     global _done
     with _lock:
         if _done:
             return blas_info()
         _done = True
         _setup_locked()
+        if _info["active"] and _info["loaded_by"] is None:
+            _info["loaded_by"] = by
     return blas_info()
+
+
+def _why_hook_did_not_run() -> str:
+    """Why the startup hook did not load OpenBLAS before mlx (for the late warning)."""
+    if sys.flags.no_site:
+        return "Python runs with -S, so site-packages' startup hooks are skipped"
+    if "_metalnn_blas_hook" not in sys.modules:
+        return (
+            "metalnn's startup hook is not installed (no metalnn-blas-hook.pth in "
+            "site-packages: metalnn is used from a source tree without `pip install`)"
+        )
+    return "mlx was loaded before metalnn's startup hook could act"
 
 
 def _setup_locked() -> None:
@@ -215,7 +240,7 @@ def _setup_locked() -> None:
     preloaded = _preloaded_shim()
     if preloaded:
         # LD_PRELOAD=libscipy_openblas.so:<shim> (or an earlier load) already did it.
-        _info.update(active=True, shim=preloaded, reason=None, library=_openblas_path())
+        _info.update(active=True, shim=preloaded, reason=None, library=_openblas_path(), loaded_by="LD_PRELOAD")
         return
     openblas = _openblas_path()
     if _mlx_already_loaded():
@@ -226,12 +251,13 @@ def _setup_locked() -> None:
         shim = built[0] if built else None
         _info["library"] = openblas
         _info["shim"] = shim
-        _info["reason"] = "mlx.core was imported before metalnn"
+        why = _why_hook_did_not_run()
+        _info["reason"] = f"mlx.core was imported before metalnn and {why}"
         _warn_once(
             "late",
-            "metalnn: mlx.core was imported before metalnn, so MLX keeps the slow reference "
-            "BLAS bundled with mlx[cpu] (matmul/conv ~30x slower). Import metalnn before "
-            f"mlx, or set {_preload_hint(openblas, shim)}",
+            f"metalnn: mlx.core was imported before metalnn and {why}; MLX keeps the slow "
+            "reference BLAS bundled with mlx[cpu] (matmul/conv ~30x slower). Import metalnn "
+            f"before mlx, pip install metalnn, or set {_preload_hint(openblas, shim)}",
         )
         return
     if openblas is None:
@@ -285,7 +311,8 @@ def _preloaded_shim() -> str | None:
 def blas_info() -> dict:
     """What BLAS MLX uses through metalnn.
 
-    Keys: ``active`` (bool: MLX's cblas/LAPACK calls go to OpenBLAS), ``library``
+    Keys: ``active`` (bool: MLX's cblas/LAPACK calls go to OpenBLAS), ``loaded_by``
+    (``"import metalnn"``, ``"startup hook"`` or ``"LD_PRELOAD"`` when active), ``library``
     (path of the OpenBLAS library, or None), ``shim`` (path of the forwarding shim, or
     None), ``reason`` (why not active, or None), ``config`` (OpenBLAS build string),
     ``core`` (CPU kernel set OpenBLAS picked, e.g. ``Haswell``; honours OPENBLAS_CORETYPE)

@@ -8,9 +8,10 @@ kernels (``metalnn._fastmath``, built from ``metalnn/_native/fastmath``), about
 ``mx.vjp``, ``mx.jvp``, ``mx.vmap`` and ``mx.compile``, and their backward passes
 are fused vectorised primitives too.
 
-When the extension is not built, was built against another MLX version, or the
-computation runs on a GPU stream (Metal), every function falls back to the
-equivalent MLX ops, so callers can use this module unconditionally.
+When the extension is not built (it never is on macOS), was built against another
+MLX version or nanobind ABI (see ``metalnn._native_ext``), or the computation runs on
+a GPU stream (Metal), every function falls back to the equivalent MLX ops, so callers
+can use this module unconditionally; ``unavailable_reason()`` says why.
 
 * float32 is computed natively; float16/bfloat16 inputs are converted to float32
   and the result converted back; integer inputs are promoted to float32 (like
@@ -26,10 +27,10 @@ a few float32 ulps of MLX's own ops.
 from __future__ import annotations
 
 import math
-import os
-import warnings
 
 import mlx.core as mx
+
+from . import _native_ext
 
 __all__ = [
     "available",
@@ -43,53 +44,9 @@ __all__ = [
     "softmax_grad",
 ]
 
-_ext = None
-_reason: str | None = None
-
-
-def _load():
-    global _ext, _reason
-    if os.environ.get("METALNN_FASTMATH", "1").strip().lower() in ("0", "false", "no", "off"):
-        _reason = "disabled by METALNN_FASTMATH=0"
-        return
-    try:
-        from metalnn import _fastmath as ext  # noqa: PLC0415
-    except ImportError as e:  # not built (e.g. macOS, or the optional build failed)
-        _reason = f"extension not built ({e})"
-        return
-    try:
-        from importlib.metadata import version
-
-        runtime = version("mlx")
-    except Exception:  # pragma: no cover - metadata missing
-        runtime = getattr(mx, "__version__", "unknown")
-    if ext.mlx_version != runtime:
-        # The primitives subclass MLX C++ classes: a different libmlx may have a
-        # different ABI, so never call into it.
-        _reason = (
-            f"extension was built against mlx {ext.mlx_version}, "
-            f"but mlx {runtime} is installed; rebuild metalnn"
-        )
-        warnings.warn(f"metalnn.fastmath: {_reason}; using MLX ops", RuntimeWarning, stacklevel=3)
-        return
-    try:
-        # Check mx.array crosses the binding (same nanobind domain / ABI).
-        probe = ext.exp(mx.array([0.0, 1.0], dtype=mx.float32), stream=mx.cpu)
-        mx.eval(probe)
-        ok = abs(probe.tolist()[1] - math.e) < 1e-5
-    except Exception as e:
-        ok = False
-        _reason = f"extension failed its self-test ({type(e).__name__}: {e})"
-    else:
-        if not ok:
-            _reason = "extension failed its self-test (wrong value)"
-    if not ok:
-        warnings.warn(f"metalnn.fastmath: {_reason}; using MLX ops", RuntimeWarning, stacklevel=3)
-        return
-    _ext = ext
-
-
-_load()
+# The loaded extension module or None; read at every call, so tests can swap in None to
+# exercise the MLX-op fallback.
+_ext = _native_ext.extension()
 
 
 def available() -> bool:
@@ -99,7 +56,7 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (``None`` when it is True)."""
-    return _reason
+    return None if _ext is not None else (_native_ext.unavailable_reason() or "replaced by the MLX ops")
 
 
 def has_avx2() -> bool:
@@ -112,15 +69,34 @@ def has_avx2() -> bool:
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
+def _float32_inside(fn):
+    """Run ``fn`` in float32 for float16/bfloat16 inputs and cast the result back, as the
+    native kernels do (a multi-op formula rounded to half precision after every op loses
+    several bits more)."""
+
+    def wrapped(x, *args, stream=None):
+        if x.dtype in (mx.float16, mx.bfloat16):
+            args = [a.astype(mx.float32, stream=stream) if isinstance(a, mx.array) else a for a in args]
+            y = fn(x.astype(mx.float32, stream=stream), *args, stream=stream)
+            return y.astype(x.dtype, stream=stream)
+        return fn(x, *args, stream=stream)
+
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+@_float32_inside
 def _mlx_silu(x, stream=None):
     return mx.multiply(x, mx.sigmoid(x, stream=stream), stream=stream)
 
 
+@_float32_inside
 def _mlx_gelu_tanh(x, stream=None):
     inner = _GELU_C * (x + 0.044715 * mx.power(x, 3, stream=stream))
     return 0.5 * x * (1 + mx.tanh(inner, stream=stream))
 
 
+@_float32_inside
 def _mlx_softmax_grad(y, g, stream=None):
     d = mx.sum(g * y, axis=-1, keepdims=True, stream=stream)
     return mx.multiply(y, g - d, stream=stream)

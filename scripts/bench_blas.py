@@ -4,9 +4,12 @@
     python scripts/bench_blas.py                 # matmul 512/1024/2048 + conv2d
     python scripts/bench_blas.py --compare-off   # also rerun MLX with METALNN_BLAS=off
     python scripts/bench_blas.py --sizes 1024 --reps 10
+    python scripts/bench_blas.py --mlx-first     # import mlx.core before metalnn, as most code does
 
-metalnn is imported before mlx so that MLX binds to OpenBLAS (see metalnn/_blas.py).
-Prints GFLOP/s for each and the MLX/NumPy ratio (target >= 0.8 on Linux).
+By default metalnn is imported before mlx; with --mlx-first mlx.core comes first and MLX
+gets OpenBLAS through metalnn's startup hook (see metalnn/_blas_hook.py). Either way the
+script reports which path loaded it. Prints GFLOP/s for each and the MLX/NumPy ratio
+(target >= 0.8 on Linux).
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ import subprocess
 import sys
 import time
 
-# Import metalnn before anything imports mlx. Also works while metalnn/__init__.py is
-# missing or does not call setup() yet: setup() is idempotent.
+MLX_FIRST = "--mlx-first" in sys.argv[1:]
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if MLX_FIRST:
+    import mlx.core as mx  # noqa: E402
+
 import metalnn  # noqa: E402,F401
-from metalnn import _blas  # noqa: E402
-
-_blas.setup()
-
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx  # noqa: E402,F811
 import numpy as np  # noqa: E402
+from metalnn import _blas  # noqa: E402
 
 
 def best_time(fn, warmup: int, reps: int) -> float:
@@ -74,6 +76,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--compare-off", action="store_true", help="also time MLX with METALNN_BLAS=off (subprocess)")
+    ap.add_argument("--mlx-first", action="store_true", help="import mlx.core before metalnn (read before argparse)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # used by --compare-off
     ap.add_argument("--no-numpy", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -88,6 +91,7 @@ def main() -> None:
         return
 
     print(f"python {sys.version.split()[0]}  mlx {mx.__version__}  numpy {np.__version__}")
+    print(f"import order: {'mlx.core, then metalnn' if MLX_FIRST else 'metalnn, then mlx.core'}")
     env = {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS", "OMP_", "METALNN", "MKL_"))}
     print(f"env: {env or '{}'}  cpus: {os.cpu_count()}")
     print("blas_info():")
@@ -104,7 +108,7 @@ def main() -> None:
 
     if args.compare_off:
         sizes = [n for n in args.sizes if n <= 1024] or args.sizes[:1]
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--no-numpy",
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--no-numpy", *(["--mlx-first"] if MLX_FIRST else []),
                "--warmup", "1", "--reps", "2", "--sizes", *map(str, sizes)]
         proc = subprocess.run(cmd, env={**os.environ, "METALNN_BLAS": "off"},
                               capture_output=True, text=True, check=True)

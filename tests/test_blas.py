@@ -1,59 +1,86 @@
-"""Tests for metalnn._blas: MLX bound to scipy-openblas32 through the cblas shim.
+"""Tests for metalnn._blas and its startup hook: MLX bound to scipy-openblas32 through the
+cblas shim, whatever the process imports first.
 
 Everything that depends on import order runs in a fresh subprocess, because whether
-MLX got the optimized BLAS is decided once per process, when mlx.core is first
-imported (and other tests in this session may already have imported it).
-No timing assertions here; see scripts/bench_blas.py for speed.
+MLX got the optimized BLAS is decided once per process, when libmlx.so loads (and other
+tests in this session have imported mlx.core already). What libmlx.so bound its
+``cblas_sgemm`` call to is read independently of metalnn from the dynamic linker's own
+trace (``LD_DEBUG=bindings``). No timing assertions here; see scripts/bench_blas.py.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLAS_PY = os.path.join(REPO, "metalnn", "_blas.py")
+HOOK_PY = os.path.join(REPO, "metalnn", "_blas_hook.py")
 SHIM_C = os.path.join(REPO, "metalnn", "_native", "cblas_shim.c")
+SITE_PACKAGES = sysconfig.get_paths()["purelib"]
 
 LINUX = sys.platform.startswith("linux")
 LINUX_X86_64 = LINUX and platform.machine() in ("x86_64", "AMD64")
+needs_shim = pytest.mark.skipif(not LINUX_X86_64, reason="the OpenBLAS shim is used on Linux x86_64 only")
 
-# Prelude for subprocesses: get `_blas` the way users do (`import metalnn`, which calls
-# setup() first thing), or, while metalnn/__init__.py is missing or broken, load
-# metalnn/_blas.py standalone by path. setup() is idempotent, so calling it again is a
-# no-op when `import metalnn` already ran it.
+# Prelude for subprocesses that get `_blas` the way users do: `import metalnn` first.
 PRELUDE = textwrap.dedent(
-    f"""
-    import importlib.util, json, sys, warnings
-    sys.path.insert(0, {REPO!r})
+    """
+    import json, sys, warnings
     warnings.simplefilter("always")
-    try:
-        import metalnn
-        from metalnn import _blas
-        HOW = "import metalnn"
-    except Exception as exc:  # metalnn/__init__.py missing or in flux
-        spec = importlib.util.spec_from_file_location("metalnn_blas_standalone", {BLAS_PY!r})
-        _blas = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_blas)
-        HOW = "standalone: " + repr(exc)
-    _blas.setup()
+    import metalnn
+    from metalnn import _blas
+    """
+)
+
+# Prelude for processes without site-packages processing (`python -S`): the startup
+# hook cannot run there. site-packages and the checkout are put on sys.path by hand.
+NO_SITE_PRELUDE = textwrap.dedent(
+    f"""
+    import json, sys, warnings
+    sys.path[:0] = [{REPO!r}, {SITE_PACKAGES!r}]
+    """
+)
+
+# Every script below ends with a matmul, so that libmlx.so's cblas_sgemm gets bound.
+MATMUL = textwrap.dedent(
+    """
+    import numpy as _np
+    _a = _np.random.default_rng(0).standard_normal((64, 48)).astype(_np.float32)
+    MATMUL_ERR = float(_np.max(_np.abs(_np.array(mx.array(_a) @ mx.array(_a.T)) - _a @ _a.T)))
     """
 )
 
 
-def run_py(code: str, env: dict | None = None, prelude: bool = True) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("METALNN_BLAS", "LD_PRELOAD", "METALNN_BLAS_SHIM")}
-    full_env.update(env or {})
+def _clean_env(env: dict | None) -> dict:
+    drop = ("METALNN_BLAS", "LD_PRELOAD", "METALNN_BLAS_SHIM", "LD_DEBUG", "LD_DEBUG_OUTPUT")
+    full = {k: v for k, v in os.environ.items() if k not in drop}
+    full.update(env or {})
+    return full
+
+
+def run_py(code: str, env: dict | None = None, prelude: bool = True, args=(), cwd=REPO, python=None):
     src = (PRELUDE if prelude else "") + textwrap.dedent(code)
-    proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, env=full_env, cwd=REPO, timeout=600)
+    cmd = [python or sys.executable, *args, "-c", src]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(env), cwd=cwd, timeout=600)
     assert proc.returncode == 0, f"subprocess failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def run_cmd(cmd, env=None, cwd=REPO, timeout=600):
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(env), cwd=cwd, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
 
 
@@ -61,105 +88,322 @@ def last_json(proc: subprocess.CompletedProcess):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+_BINDING = re.compile(r"binding file (\S*libmlx\.so) \[\d+\] to (\S+) \[\d+\]: normal symbol `cblas_sgemm'")
+
+
+def traced(tmp_path) -> tuple[dict, callable]:
+    """Environment that makes the dynamic linker log its symbol bindings into tmp_path,
+    and a function returning {pid: library libmlx.so bound cblas_sgemm to}."""
+    out = tmp_path / "ld-trace"
+    out.mkdir(exist_ok=True)
+
+    def providers() -> dict:
+        found = {}
+        for path in glob.glob(str(out / "trace.*")):
+            with open(path, errors="replace") as f:
+                for line in f:
+                    m = _BINDING.search(line)
+                    if m:
+                        found[path.rsplit(".", 1)[-1]] = os.path.realpath(m.group(2))
+        return found
+
+    return {"LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(out / "trace")}, providers
+
+
+def is_shim(path: str) -> bool:
+    return "cblas_shim" in os.path.basename(path)
+
+
 # --------------------------------------------------------------------------- activation
 
 
-@pytest.mark.skipif(not LINUX_X86_64, reason="the OpenBLAS shim is used on Linux x86_64 only")
-def test_active_in_fresh_process():
+@needs_shim
+def test_active_in_fresh_process(tmp_path):
+    env, providers = traced(tmp_path)
     proc = run_py(
-        """
-        info = _blas.blas_info()
-        import mlx.core as mx
-        print(json.dumps({"info": info, "how": HOW}))
-        """
+        "info = _blas.blas_info()\nimport mlx.core as mx\n" + MATMUL
+        + 'print(json.dumps({"info": info, "err": MATMUL_ERR}))\n',
+        env=env,
     )
     out = last_json(proc)
     info = out["info"]
-    assert info["active"] is True, f"{info} ({out['how']})"
-    assert info["reason"] is None
+    assert info["active"] is True, info
+    assert info["reason"] is None and info["loaded_by"] == "import metalnn"
     assert "scipy_openblas" in os.path.basename(info["library"])
     assert os.path.isfile(info["library"]) and os.path.isfile(info["shim"])
     assert info["num_threads"] >= 1
     assert "RuntimeWarning" not in proc.stderr, proc.stderr
+    bound = providers()
+    assert len(bound) == 1 and is_shim(next(iter(bound.values()))), bound
+    assert out["err"] < 1e-3
+
+
+# Ways a process can start using MLX before (or without) importing metalnn. Each script
+# prints one JSON line per process that ran MLX: {"info": blas_info(), "err": ...}.
+_REPORT = textwrap.dedent(
+    """
+    def report():
+        import json, sys
+        blas = sys.modules.get("metalnn._blas")
+        return json.dumps({"info": blas.blas_info() if blas else None, "err": MATMUL_ERR,
+                           "metalnn_imported": "metalnn" in sys.modules})
+    """
+)
+
+ORDERS = {
+    "mlx_core_then_metalnn": "import mlx.core as mx\nimport metalnn\n" + MATMUL + _REPORT + "print(report())\n",
+    "mlx_nn_alone": "from mlx import nn\nimport mlx.core as mx\n" + MATMUL + _REPORT + "print(report())\n",
+    "mlx_optimizers_alone": "import mlx.optimizers\nimport mlx.core as mx\n" + MATMUL + _REPORT + "print(report())\n",
+}
+
+
+@needs_shim
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("how", ["python -c", "script"])
+def test_import_order_does_not_matter(order, how, tmp_path):
+    """The startup hook gives MLX OpenBLAS even when mlx is imported first or alone."""
+    env, providers = traced(tmp_path)
+    code = ORDERS[order]
+    if how == "script":
+        (tmp_path / "main.py").write_text(code)
+        proc = run_cmd([sys.executable, "main.py"], env=env, cwd=tmp_path)
+    else:
+        proc = run_py(code, env=env, prelude=False, cwd=tmp_path)
+    out = last_json(proc)
+    assert out["info"] is not None and out["info"]["active"] is True, out
+    assert out["info"]["loaded_by"] == "startup hook", out
+    assert out["metalnn_imported"] is (order == "mlx_core_then_metalnn")
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr
+    bound = providers()
+    assert len(bound) == 1 and is_shim(next(iter(bound.values()))), bound
+    assert out["err"] < 1e-3
+
+
+@needs_shim
+def test_import_order_in_pytest(tmp_path):
+    """A test module that imports mlx.core at the top, run by pytest."""
+    env, providers = traced(tmp_path)
+    (tmp_path / "test_inner.py").write_text(
+        "import mlx.core as mx\n" + MATMUL + _REPORT + textwrap.dedent(
+            """
+            def test_blas():
+                import json
+                out = json.loads(report())
+                assert out["info"]["active"] and out["info"]["loaded_by"] == "startup hook", out
+                assert out["err"] < 1e-3
+            """
+        )
+    )
+    run_cmd([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"], env=env, cwd=tmp_path)
+    bound = providers()
+    assert bound and all(is_shim(p) for p in bound.values()), bound
+
+
+@needs_shim
+def test_import_order_in_spawned_subprocess(tmp_path):
+    """A multiprocessing child started with "spawn" (a fresh interpreter) gets the hook too."""
+    env, providers = traced(tmp_path)
+    (tmp_path / "main.py").write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing as mp
+
+            def child():
+                import mlx.core as mx
+            """
+        )
+        + textwrap.indent(MATMUL + _REPORT + "return report()\n", "    ")
+        + textwrap.dedent(
+            """
+            if __name__ == "__main__":
+                with mp.get_context("spawn").Pool(1) as pool:
+                    print(pool.apply(child))
+            """
+        )
+    )
+    out = last_json(run_cmd([sys.executable, "main.py"], env=env, cwd=tmp_path))
+    assert out["info"]["active"] is True and out["info"]["loaded_by"] == "startup hook", out
+    bound = providers()
+    assert len(bound) == 1 and is_shim(next(iter(bound.values()))), bound  # only the child ran MLX
+    assert out["err"] < 1e-3
+
+
+@needs_shim
+def test_import_order_in_mlx_launch_ranks(tmp_path):
+    """Both ranks of `mlx.launch -n 2 --backend ring` get OpenBLAS with mlx imported first."""
+    launch = shutil.which("mlx.launch", path=os.path.dirname(sys.executable))
+    assert launch, "mlx.launch is not installed next to the interpreter (it comes with mlx)"
+    env, providers = traced(tmp_path)
+    (tmp_path / "rank.py").write_text(
+        "import mlx.core as mx\ngroup = mx.distributed.init()\n" + MATMUL + _REPORT
+        + "import json\nprint(json.dumps({'rank': group.rank(), 'size': group.size(), **json.loads(report())}))\n"
+    )
+    proc = run_cmd([launch, "-n", "2", "--backend", "ring", "--", sys.executable, "rank.py"], env=env, cwd=tmp_path)
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["size"] == 2 for r in ranks), proc.stdout
+    for r in ranks:
+        assert r["info"]["active"] is True and r["info"]["loaded_by"] == "startup hook", r
+        assert r["err"] < 1e-3
+    bound = providers()
+    # the two ranks, and the launcher itself where it loads libmlx.so too
+    assert len(bound) >= 2 and all(is_shim(p) for p in bound.values()), bound
 
 
 @pytest.mark.skipif(not LINUX, reason="Linux only")
-def test_env_off_leaves_inactive():
+def test_env_off_leaves_inactive(tmp_path):
+    env, providers = traced(tmp_path)
+    env["METALNN_BLAS"] = "off"
+    proc = run_py(
+        "import json, warnings\nwarnings.simplefilter('always')\nimport mlx.core as mx\nimport metalnn\n"
+        "from metalnn import _blas\n" + MATMUL + "print(json.dumps(_blas.blas_info()))\n",
+        env=env,
+        prelude=False,
+    )
+    out = last_json(proc)
+    assert out["active"] is False and out["loaded_by"] is None
+    assert "METALNN_BLAS" in out["reason"]
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr  # turned off on purpose: no warning
+    bound = providers()
+    assert len(bound) == 1 and not is_shim(next(iter(bound.values()))), bound
+
+
+def test_hook_is_light_at_startup():
+    """The .pth only registers the finder: no numpy, mlx, ctypes or metalnn at start-up."""
     out = last_json(
         run_py(
             """
-            import mlx.core as mx
-            print(json.dumps(_blas.blas_info()))
+            import json, sys
+            heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("numpy", "mlx", "metalnn", "ctypes", "scipy_openblas32"))
+            hooks = [type(f).__module__ + "." + type(f).__name__ for f in sys.meta_path if type(f).__name__ == "BlasImportHook"]
+            print(json.dumps({"heavy": heavy, "hooks": hooks, "first": type(sys.meta_path[0]).__name__}))
             """,
-            env={"METALNN_BLAS": "off"},
+            prelude=False,
+            cwd=os.path.dirname(REPO),
         )
     )
-    assert out["active"] is False
-    assert "METALNN_BLAS" in out["reason"]
+    assert out["heavy"] == []
+    if LINUX:
+        assert out["hooks"] == ["_metalnn_blas_hook.BlasImportHook"]
+        assert out["first"] == "BlasImportHook"
+    else:
+        assert out["hooks"] == []
+
+
+@needs_shim
+def test_hook_failure_never_breaks_import_mlx():
+    """If metalnn's BLAS setup raises inside the hook, `import mlx.core` still works (warns)."""
+    code = (
+        textwrap.dedent("""
+        import json, sys, types, warnings
+        warnings.simplefilter("always")
+        broken = types.ModuleType("metalnn._blas")
+        def setup(**kw):
+            raise OSError("simulated failure")
+        broken.setup = setup
+        sys.modules["metalnn._blas"] = broken
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import mlx.core as mx
+        """)
+        + MATMUL
+        + textwrap.dedent("""
+        msgs = [str(w.message) for w in caught]
+        hooks = [f for f in sys.meta_path if type(f).__name__ == "BlasImportHook"]
+        print(json.dumps({"msgs": msgs, "err": MATMUL_ERR, "hooks_left": len(hooks)}))
+        """)
+    )
+    out = last_json(run_py(code, prelude=False, cwd=os.path.dirname(REPO)))
+    assert out["err"] < 1e-3
+    assert any("startup hook" in m and "simulated failure" in m for m in out["msgs"]), out["msgs"]
+    assert out["hooks_left"] == 0  # it removed itself and does not run again
+
+
+def test_hook_install_is_idempotent_and_one_shot():
+    """install() registers one finder; it ignores non-mlx names and removes itself once run."""
+    code = textwrap.dedent(
+        f"""
+        import importlib.util, json, sys
+        spec = importlib.util.spec_from_file_location("hook_copy", {HOOK_PY!r})
+        hook = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(hook)
+        sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "BlasImportHook"]
+        hook.install(); hook.install()
+        n_installed = sum(isinstance(f, hook.BlasImportHook) for f in sys.meta_path)
+        calls = []
+        hook._setup_blas = lambda: calls.append(1)
+        import json as _j, email.utils  # other imports do not trigger it
+        n_before = len(calls)
+        import mlx.core
+        import mlx.nn
+        print(json.dumps({{"n": n_installed, "before": n_before, "calls": len(calls),
+                           "left": hook.installed()}}))
+        """
+    )
+    out = last_json(run_py(code, prelude=False, cwd=os.path.dirname(REPO)))
+    expect = 1 if LINUX else 0
+    assert out == {"n": expect, "before": 0, "calls": expect, "left": False}
 
 
 @pytest.mark.skipif(not LINUX, reason="Linux only")
-def test_mlx_imported_first_warns():
-    code = textwrap.dedent(
-        f"""
-        import importlib.util, json, sys, warnings
-        sys.path.insert(0, {REPO!r})
-        import mlx.core as mx  # too early
+def test_mlx_imported_first_warns_without_site():
+    """With `python -S` no startup hook runs: mlx imported first stays slow, and metalnn
+    says so once, naming why and the LD_PRELOAD line that fixes it."""
+    code = NO_SITE_PRELUDE + textwrap.dedent(
+        """
+        import mlx.core as mx  # too early, and no hook
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            try:
-                import metalnn
-                from metalnn import _blas
-            except Exception:
-                spec = importlib.util.spec_from_file_location("metalnn_blas_standalone", {BLAS_PY!r})
-                _blas = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(_blas)
+            import metalnn
+            from metalnn import _blas
             _blas.setup()
             _blas.setup()
         msgs = [str(w.message) for w in caught if "BLAS" in str(w.message)]
-        print(json.dumps({{"msgs": msgs, "info": _blas.blas_info()}}))
+        print(json.dumps({"msgs": msgs, "info": _blas.blas_info()}))
         """
     )
-    out = last_json(run_py(code, prelude=False))
+    out = last_json(run_py(code, prelude=False, args=["-S"]))
     assert out["info"]["active"] is False
     assert len(out["msgs"]) == 1, out["msgs"]  # warned exactly once
     msg = out["msgs"][0]
-    assert "before" in msg and "LD_PRELOAD=" in msg
+    assert "before" in msg and "-S" in msg and "LD_PRELOAD=" in msg
     if LINUX_X86_64:
         # The hint names the real paths, not placeholders.
         assert out["info"]["library"] and out["info"]["library"] in msg
         assert out["info"]["shim"] and out["info"]["shim"] in msg
 
 
-@pytest.mark.skipif(not LINUX_X86_64, reason="the OpenBLAS shim is used on Linux x86_64 only")
-def test_ld_preload_hint_works():
-    """The LD_PRELOAD line from the warning makes MLX fast even if mlx is imported first."""
+@needs_shim
+def test_ld_preload_hint_works(tmp_path):
+    """The LD_PRELOAD line from the warning makes MLX fast even without the startup hook."""
     info = last_json(run_py("print(json.dumps(_blas.blas_info()))"))
-    preload = f"{info['library']}:{info['shim']}"
-    code = textwrap.dedent(
-        f"""
-        import importlib.util, json, sys, warnings
-        import numpy as np
+    env, providers = traced(tmp_path)
+    env["LD_PRELOAD"] = f"{info['library']}:{info['shim']}"
+    code = (
+        NO_SITE_PRELUDE
+        + textwrap.dedent(f"""
+        import importlib.util
         import mlx.core as mx
-        a = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
-        err = float(np.max(np.abs(np.array(mx.array(a) @ mx.array(a.T)) - a @ a.T)))
-        sys.path.insert(0, {REPO!r})
+        """)
+        + MATMUL
+        + textwrap.dedent(f"""
         spec = importlib.util.spec_from_file_location("metalnn_blas_standalone", {BLAS_PY!r})
         _blas = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_blas)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _blas.setup()
-        print(json.dumps({{"info": _blas.blas_info(), "err": err, "n_warn": len(caught)}}))
-        """
+        print(json.dumps({{"info": _blas.blas_info(), "err": MATMUL_ERR, "n_warn": len(caught)}}))
+        """)
     )
-    out = last_json(run_py(code, env={"LD_PRELOAD": preload}, prelude=False))
-    assert out["info"]["active"] is True, out
+    out = last_json(run_py(code, env=env, prelude=False, args=["-S"]))
+    assert out["info"]["active"] is True and out["info"]["loaded_by"] == "LD_PRELOAD", out
     assert out["n_warn"] == 0
     assert out["err"] < 1e-3
+    bound = providers()
+    assert len(bound) == 1 and is_shim(next(iter(bound.values()))), bound
 
 
-@pytest.mark.skipif(not LINUX_X86_64, reason="the OpenBLAS shim is used on Linux x86_64 only")
+@needs_shim
 def test_fallback_compiles_shim_into_cache(tmp_path):
     """Without a built shim next to _blas.py, setup() compiles one into the cache dir."""
     assert shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"), "no C compiler on PATH"
@@ -168,26 +412,26 @@ def test_fallback_compiles_shim_into_cache(tmp_path):
     shutil.copy(BLAS_PY, pkg / "_blas.py")
     shutil.copy(SHIM_C, pkg / "_native" / "cblas_shim.c")
     cache = tmp_path / "cache"
-    code = textwrap.dedent(
-        f"""
-        import importlib.util, json
+    code = (
+        NO_SITE_PRELUDE
+        + textwrap.dedent(f"""
+        import importlib.util
         spec = importlib.util.spec_from_file_location("blas_copy", {str(pkg / "_blas.py")!r})
         _blas = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_blas)
         _blas.setup()
-        import numpy as np, mlx.core as mx
-        a = np.random.default_rng(1).standard_normal((33, 65)).astype(np.float32)
-        err = float(np.max(np.abs(np.array(mx.array(a) @ mx.array(a.T)) - a @ a.T)))
-        print(json.dumps({{"info": _blas.blas_info(), "err": err}}))
-        """
+        import mlx.core as mx
+        """)
+        + MATMUL
+        + 'print(json.dumps({"info": _blas.blas_info(), "err": MATMUL_ERR}))\n'
     )
-    out = last_json(run_py(code, env={"XDG_CACHE_HOME": str(cache)}, prelude=False))
+    out = last_json(run_py(code, env={"XDG_CACHE_HOME": str(cache)}, prelude=False, args=["-S"]))
     assert out["info"]["active"] is True, out
     assert out["info"]["shim"].startswith(str(cache / "metalnn")), out
     assert out["err"] < 1e-3
 
 
-@pytest.mark.skipif(not LINUX_X86_64, reason="the OpenBLAS shim is used on Linux x86_64 only")
+@needs_shim
 def test_shim_covers_mlx_blas_imports():
     """Every BLAS/LAPACK symbol libmlx.so imports is forwarded by the shim."""
     nm = shutil.which("nm")
@@ -212,6 +456,98 @@ def test_shim_covers_mlx_blas_imports():
 def test_noop_off_linux():
     out = last_json(run_py("print(json.dumps(_blas.blas_info()))"))
     assert out["active"] is False and out["reason"]
+
+
+# --------------------------------------------------------------------------- installation
+
+
+def _hook_pth_line() -> str:
+    return "import _metalnn_blas_hook; _metalnn_blas_hook.install()"
+
+
+@pytest.mark.skipif(not LINUX, reason="the startup hook is installed on Linux only")
+def test_installed_distribution_carries_the_hook():
+    """The metalnn installed in this environment (editable here) put the hook into
+    site-packages, recorded in its RECORD, and the hook is the current source."""
+    # the installed dist-info, not a metalnn.egg-info a build left in the checkout
+    (dist,) = importlib.metadata.distributions(name="metalnn", path=[SITE_PACKAGES])
+    files = {str(f) for f in dist.files or ()}
+    assert {"metalnn-blas-hook.pth", "_metalnn_blas_hook.py"} <= files, sorted(files)
+    pth = dist.locate_file("metalnn-blas-hook.pth")
+    module = dist.locate_file("_metalnn_blas_hook.py")
+    assert os.path.realpath(os.path.dirname(str(pth))) == os.path.realpath(SITE_PACKAGES)
+    assert open(pth).read().strip() == _hook_pth_line()
+    with open(module, "rb") as a, open(HOOK_PY, "rb") as b:
+        assert a.read() == b.read(), "site-packages has a stale startup hook: re-run `pip install -e .`"
+
+
+def _source_tree_copy(dest) -> str:
+    """Copy the files git would ship (tracked and new, not ignored) to dest."""
+    names = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.split("\0")
+    for name in filter(None, names):
+        src = os.path.join(REPO, name)
+        if os.path.isfile(src):
+            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, name))
+    return str(dest)
+
+
+def _venv_on_top_of_this_one(path) -> str:
+    """A fresh venv that sees this environment's packages as a plain sys.path entry (so
+    none of this environment's .pth files, e.g. its own metalnn install, take part)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    python = os.path.join(path, "bin", "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(purelib, "zz_base_environment.pth"), "w") as f:
+        f.write(SITE_PACKAGES + "\n")
+    return python
+
+
+@needs_shim
+def test_wheel_install_gives_mlx_first_openblas(tmp_path):
+    """`pip wheel .` + `pip install <wheel>` (not editable) installs the hook; with mlx
+    imported first MLX binds the shim of that install; `pip uninstall` removes the hook."""
+    src = _source_tree_copy(tmp_path / "src")
+    dist = tmp_path / "dist"
+    # The optional fastmath extension is not what this test is about (and takes a minute).
+    run_cmd([sys.executable, "-m", "pip", "wheel", src, "--no-deps", "--no-build-isolation", "-q", "-w", str(dist)],
+            env={"METALNN_BUILD_FASTMATH": "0"}, cwd=tmp_path)
+    (wheel,) = glob.glob(str(dist / "metalnn-*.whl"))
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        record = z.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
+    assert {"metalnn-blas-hook.pth", "_metalnn_blas_hook.py"} <= names
+    assert "\nmetalnn-blas-hook.pth,sha256=" in "\n" + record
+
+    python = _venv_on_top_of_this_one(tmp_path / "venv")
+    pip = [sys.executable, "-m", "pip", "--python", python]
+    run_cmd([*pip, "install", "-q", "--no-deps", "--no-index", wheel], cwd=tmp_path)
+    env, providers = traced(tmp_path)
+    proc = run_py(
+        "import mlx.core as mx\n" + MATMUL + _REPORT
+        + "import json, metalnn\nprint(json.dumps({**json.loads(report()), 'metalnn': metalnn.__file__}))\n",
+        env=env, prelude=False, cwd=tmp_path, python=python,
+    )
+    out = last_json(proc)
+    venv_dir = str(tmp_path / "venv")
+    assert out["metalnn"].startswith(venv_dir), out  # the wheel's metalnn, not the checkout
+    assert out["info"]["active"] is True and out["info"]["loaded_by"] == "startup hook", out
+    assert out["info"]["shim"].startswith(venv_dir), out
+    bound = providers()
+    assert len(bound) == 1, bound
+    (provider,) = bound.values()
+    assert is_shim(provider) and provider.startswith(os.path.realpath(venv_dir)), bound
+    assert out["err"] < 1e-3
+
+    run_cmd([*pip, "uninstall", "-q", "-y", "metalnn"], cwd=tmp_path)
+    left = glob.glob(str(tmp_path / "venv" / "lib" / "python*" / "site-packages" / "*metalnn*"))
+    assert left == [], left
 
 
 # --------------------------------------------------------------------------- correctness
@@ -317,3 +653,32 @@ def test_matmul_correct_without_shim():
 @pytest.mark.skipif(not LINUX_X86_64, reason="the OpenBLAS shim is used on Linux x86_64 only")
 def test_matmul_correct_single_thread():
     assert _check_correctness(env={"OPENBLAS_NUM_THREADS": "1"}) is True
+
+
+@needs_shim
+@pytest.mark.slow
+def test_sdist_builds_and_installs_the_native_parts(tmp_path):
+    """A fresh `pip wheel <sdist>` (isolated build environment, no wheel cache) builds the
+    cblas shim and metalnn._fastmath; installed, both load, with mlx imported first."""
+    src = _source_tree_copy(tmp_path / "src")
+    run_cmd([sys.executable, "-c", "from setuptools import build_meta; build_meta.build_sdist('dist')"], cwd=src)
+    (sdist,) = glob.glob(os.path.join(src, "dist", "metalnn-*.tar.gz"))
+    wheels = tmp_path / "wheels"
+    run_cmd([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-q", "-w", str(wheels), sdist],
+            cwd=tmp_path, timeout=900)
+    (wheel,) = glob.glob(str(wheels / "metalnn-*.whl"))
+    python = _venv_on_top_of_this_one(tmp_path / "venv")
+    run_cmd([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index", wheel],
+            cwd=tmp_path)
+    out = last_json(
+        run_py(
+            "import io, json, sys\nimport mlx.core as mx\nimport metalnn, metalnn.fastmath as fm\n"
+            "buf = io.StringIO(); mx.export_to_dot(buf, fm.silu(mx.ones((4,))))\n"
+            "print(json.dumps({'file': metalnn.__file__, 'fastmath': fm.available(), 'why': fm.unavailable_reason(),"
+            " 'native': 'FastSilu' in buf.getvalue(), 'blas': sys.modules['metalnn._blas'].blas_info()}))\n",
+            prelude=False, cwd=tmp_path, python=python,
+        )
+    )
+    assert out["file"].startswith(str(tmp_path / "venv")), out
+    assert out["fastmath"] is True and out["native"] is True, out["why"]
+    assert out["blas"]["active"] is True and out["blas"]["loaded_by"] == "startup hook", out["blas"]

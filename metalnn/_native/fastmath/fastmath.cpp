@@ -1,7 +1,7 @@
-// metalnn.fastmath native extension: vectorised, differentiable CPU
-// primitives for MLX (exp, sigmoid, silu, tanh, gelu_tanh, softmax over the
-// last axis), bound with nanobind in MLX's nanobind domain so mx.array
-// objects pass straight through.
+// metalnn's native extension: vectorised, differentiable CPU primitives for
+// MLX (exp, sigmoid, silu, tanh, gelu_tanh, softmax over the last axis here;
+// im2col / col2im in im2col.cpp), bound with nanobind in MLX's nanobind domain
+// so mx.array objects pass straight through.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -21,6 +21,7 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 
+#include "im2col.h"
 #include "kernels.h"
 
 namespace mx = mlx::core;
@@ -30,6 +31,13 @@ using metalnn_fastmath::Kind;
 #ifndef METALNN_MLX_VERSION
 #define METALNN_MLX_VERSION "unknown"
 #endif
+
+// The mlx version this binary was built against, findable in the file itself:
+// metalnn/_native_ext.py reads it before importing the module, because importing
+// a build for another libmlx may already fail or misbehave.
+extern "C" __attribute__((used, visibility("default"))) const char
+    metalnn_fastmath_build_tag[] =
+        "metalnn_fastmath_mlx_version=" METALNN_MLX_VERSION;
 
 namespace {
 
@@ -793,5 +801,7 @@ NB_MODULE(_fastmath, m) {
   m.def("get_force_scalar", []() {
     return metalnn_fastmath::force_scalar_flag();
   });
+  register_im2col(m);
   m.attr("mlx_version") = METALNN_MLX_VERSION;
+  m.attr("build_tag") = metalnn_fastmath_build_tag;
 }

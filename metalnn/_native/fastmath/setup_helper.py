@@ -10,17 +10,21 @@ and stand-alone, to (re)build the module in place for development::
 
     python metalnn/_native/fastmath/setup_helper.py            # -> metalnn/_fastmath*.so
 
-Build requirements: a C++20 compiler, CMake >= 3.18 (on PATH or the ``cmake`` PyPI
-package), ``nanobind`` 3.x producing the same internals ABI as the one mlx.core was
-built with (MLX 0.32.x: nanobind 3.0/3.1, internals tag ``..._a1_v22``), and the
-``mlx`` wheel (its headers, libmlx.so and CMake config are used). The build is
-optional: any failure prints a warning and the package installs without it
-(``metalnn.fastmath`` then falls back to MLX ops).
+Build requirements: Linux (x86_64 gets AVX2+FMA kernels chosen at run time, other
+architectures such as aarch64 the portable C++ kernels), a C++20 compiler, CMake >= 3.18
+(on PATH or the ``cmake`` PyPI package), ``nanobind`` producing the same internals ABI as
+the one mlx.core was built with (MLX 0.32.4: nanobind 3.0.1/3.1, internals key
+``..._a1_v22``; checked after the build) and the ``mlx`` wheel (its headers, libmlx.so and
+CMake config are used). It is never built on macOS. The build is optional: any failure
+prints a warning and the package installs without it (``metalnn.fastmath`` then falls
+back to MLX ops and ``unavailable_reason()`` says why).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +58,8 @@ def _cmake_executable() -> str:
 
 def build(output_file: str | os.PathLike, build_temp: str | os.PathLike, *, verbose: bool = False) -> Path:
     """Configure and build the module so that it ends up exactly at ``output_file``."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"metalnn._fastmath is built on Linux only, not on {sys.platform}")
     output_file = Path(output_file).resolve()
     build_temp = Path(build_temp).resolve()
     build_temp.mkdir(parents=True, exist_ok=True)
@@ -85,7 +91,33 @@ def build(output_file: str | os.PathLike, build_temp: str | os.PathLike, *, verb
         raise RuntimeError(f"{' '.join(map(str, e.cmd[:2]))} failed:\n{out}") from e
     if not output_file.exists():
         raise RuntimeError(f"build finished but {output_file} is missing")
+    try:
+        _check_nanobind_abi(output_file)
+    except RuntimeError:
+        output_file.unlink()
+        raise
     return output_file
+
+
+_NANOBIND_KEY = re.compile(rb"nanobind_[A-Za-z0-9_]+_a\d+_v\d+(?:_stable)?")
+
+
+def _nanobind_key(path) -> bytes | None:
+    m = _NANOBIND_KEY.search(Path(path).read_bytes())
+    return m.group(0) if m else None
+
+
+def _check_nanobind_abi(built: Path) -> None:
+    """mx.array only crosses into the module when both use the same nanobind internals."""
+    spec = importlib.util.find_spec("mlx.core")
+    if spec is None or not spec.origin:
+        return
+    ours, theirs = _nanobind_key(built), _nanobind_key(spec.origin)
+    if ours and theirs and ours != theirs:
+        raise RuntimeError(
+            f"the module was built with nanobind internals {ours.decode()}, but mlx.core uses "
+            f"{theirs.decode()}: install the nanobind version pinned in metalnn's build requirements"
+        )
 
 
 class FastmathExtension(Extension):
