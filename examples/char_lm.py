@@ -24,7 +24,7 @@ import math
 import time
 from pathlib import Path
 
-import metalnn as mn  # before mlx: lets metalnn point MLX at a fast BLAS
+import metalnn as mn
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-import metalnn as mn  # import before mlx: lets metalnn pick a fast BLAS on Linux
+import metalnn as mn
 
 import mlx.core as mx  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402

@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-import metalnn as mn  # before mlx
+import metalnn as mn
 import mlx.core as mx
 
 

@@ -1,7 +1,7 @@
 """metalnn: build, train and run neural networks on Apple Silicon through MLX.
 
-Importing metalnn first (before ``mlx.core``) lets it point MLX at an optimized BLAS on Linux;
-see `metalnn._blas`.
+On Linux, MLX's matrix products run on an optimized BLAS whatever is imported first: the package
+installs a startup hook that loads OpenBLAS when ``mlx`` is first imported (see `metalnn._blas`).
 """
 
 from . import _blas as _blas

@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 
-import metalnn  # noqa: F401  (first: binds MLX to the optimized BLAS)
+import metalnn  # noqa: F401
 import mlx.core as mx
 import numpy as np
 

@@ -13,7 +13,7 @@ import argparse
 import math
 import time
 
-import metalnn  # noqa: F401  (sets up the BLAS before mlx.core is imported)
+import metalnn  # noqa: F401
 import metalnn.fastmath as fm
 import mlx.core as mx
 import numpy as np

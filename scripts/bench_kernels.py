@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import metalnn as mn  # before mlx: fast BLAS on Linux
+import metalnn as mn
 
 import mlx.core as mx  # noqa: E402
 

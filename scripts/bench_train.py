@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-import metalnn as mn  # noqa: I001  (must precede mlx.core)
+import metalnn as mn
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim

@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import metalnn as mn  # before mlx: fast BLAS on Linux
+import metalnn as mn
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,10 +1,10 @@
-"""Shared test setup: metalnn is imported before mlx so MLX binds the optimized BLAS."""
+"""Shared test setup (the BLAS is set up by metalnn's startup hook, whatever is imported first)."""
 
 import os
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import metalnn  # noqa: E402,F401  (must precede mlx.core)
+import metalnn  # noqa: E402,F401
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
