@@ -509,6 +509,8 @@ def _package_copy(tmp_path, patch=None) -> str:
 
     dest = tmp_path / "site" / "metalnn"
     shutil.copytree(os.path.join(REPO, "metalnn"), dest, ignore=shutil.ignore_patterns("__pycache__", "_fastmath*"))
+    shutil.copytree(os.path.join(REPO, "metal_kernels"), tmp_path / "site" / "metal_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # metalnn's kernels package
     if patch is not None:
         (ext,) = [f for f in os.listdir(os.path.join(REPO, "metalnn")) if f.startswith("_fastmath") and f.endswith(".so")]
         data = open(os.path.join(REPO, "metalnn", ext), "rb").read()
