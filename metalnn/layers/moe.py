@@ -164,7 +164,7 @@ class SparseMoE(Layer):
         """``(weights [N, k], expert ids [N, k])`` from router logits ``[N, E]``; weights in float32."""
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         k = self.top_k
-        ids = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]
+        ids = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k])
         weights = mx.take_along_axis(probs, ids, axis=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
