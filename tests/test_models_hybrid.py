@@ -6,9 +6,9 @@ embeddings; Qwen3.5 with tied embeddings; Qwen3-Next with 2 of 4 experts per tok
 and a dense layer from mlp_only_layers) have their zero-centred gains, gated-norm gains, dt_bias and
 A_log moved off their initial values, are saved with save_pretrained and loaded with metalnn.
 
-Tolerances: logits 2e-4 absolute (float32 against float32; measured ~4e-6); loss and gradients 1e-3
-relative to the largest entry of each gradient (float32 backward through the chunked rule, measured
-~1e-5); the emulated Metal kernels against the reference path 1e-4 (kernels sum in another order).
+Tolerances: logits 2e-4 absolute (float32 against float32; measured up to 2e-5); loss and gradients
+1e-3 relative to the largest entry of each gradient (float32 backward through the chunked rule,
+measured up to 5e-5); the emulated Metal kernels against the reference path 1e-4 (kernels sum in another order).
 The linear-attention layers run with chunk_size 8 here, so a 20-token prompt spans three chunks.
 """
 

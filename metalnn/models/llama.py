@@ -109,6 +109,8 @@ class LlamaForCausalLM(CausalLM):
 
     architecture = "LlamaForCausalLM"
     model_type = "llama"
+    #: llama.cpp's ``general.architecture`` for this family (GGUF files); Mistral is written as "llama" too
+    gguf_architecture = "llama"
     #: head width when the config has no ``head_dim`` (None: ``hidden_size // num_attention_heads``)
     default_head_dim: int | None = None
     #: gain offset of every RMSNorm (1 for the zero-centred gains of Qwen3.5 / Qwen3-Next)

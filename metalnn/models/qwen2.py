@@ -36,6 +36,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     architecture = "Qwen2ForCausalLM"
     model_type = "qwen2"
+    gguf_architecture = "qwen2"
 
     def block_options(self, layer: int) -> dict:
         return dict(super().block_options(layer), attention_bias=True, attention_out_bias=False,

@@ -21,6 +21,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     architecture = "Qwen3ForCausalLM"
     model_type = "qwen3"
+    gguf_architecture = "qwen3"
     default_head_dim = 128
 
     def block_options(self, layer: int) -> dict:

@@ -40,6 +40,7 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     architecture = "Qwen3_5ForCausalLM"
     model_type = "qwen3_5_text"
+    gguf_architecture = "qwen35"
     separate_projections = True
 
     def __init__(self, config: dict, seed: int = 0):

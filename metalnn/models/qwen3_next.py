@@ -70,6 +70,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     architecture = "Qwen3NextForCausalLM"
     model_type = "qwen3_next"
+    gguf_architecture = "qwen3next"
     default_head_dim = 256
     norm_offset = 1.0
     #: Qwen3.5's four linear-attention input projections instead of the grouped two
