@@ -162,6 +162,22 @@ def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
 
 
+def test_bfloat16_is_as_close_as_transformers_bfloat16(checkpoints):
+    """Loaded in bfloat16 (experts through the CPU's float32 fallback of gather_mm), the logits
+    stay as close to a float32 run on the bfloat16-rounded weights as transformers' own bfloat16
+    run does (1.5x its error as margin for a different summation order)."""
+    _, _, folder = checkpoints["qwen3_next"]
+    toks = tokens(VOCAB, (2, 20), seed=9)
+    rounded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                                attn_implementation="eager").eval()
+    hf_bf16 = hf_logits(rounded, toks)
+    want = hf_logits(rounded.float(), toks)
+    model = load_pretrained(folder, dtype="bfloat16")
+    got = model(mx.array(toks))
+    assert got.dtype == mx.bfloat16 and model.model.layers[0].mlp.experts.gate_up_proj.dtype == mx.bfloat16
+    assert max_error(got.astype(mx.float32), want) < 1.5 * max_error(hf_bf16, want)
+
+
 def test_text_model_of_a_multimodal_qwen3_5_folder(tmp_path):
     """A Qwen3_5ForConditionalGeneration folder: the text model loads (vision tower dropped) and
     gives transformers' text logits; its top-level tie_word_embeddings decides the tying."""

@@ -80,7 +80,8 @@ def test_windows_and_options_are_the_configs():
     q3 = mn.models.from_config(dict(FAMILIES["qwen3"][2], architectures=["Qwen3ForCausalLM"]))
     assert all(b.self_attn.qk_norm and b.self_attn.head_dim == 16 for b in q3.model.layers)
     # Without use_sliding_window, Qwen2 attends to everything (as transformers).
-    off = mn.models.from_config(dict(FAMILIES["qwen2"][2], use_sliding_window=False, architectures=["Qwen2ForCausalLM"]))
+    off = mn.models.from_config(dict(FAMILIES["qwen2"][2], use_sliding_window=False,
+                                     architectures=["Qwen2ForCausalLM"]))
     assert [b.self_attn.sliding_window for b in off.model.layers] == [None, None]
     m = mn.models.from_config(dict(FAMILIES["mistral"][2], sliding_window=None, architectures=["MistralForCausalLM"]))
     assert [b.self_attn.sliding_window for b in m.model.layers] == [None, None]

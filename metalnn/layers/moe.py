@@ -24,6 +24,24 @@ from .mlp import SwiGLU
 SORT_FROM = 64
 
 
+def gather_matmul(x, w, idx, sorted_indices=False):
+    """``x @ w[idx].T`` for stacked weights ``w`` ``[E, out, in]`` (``mx.gather_mm``).
+
+    MLX's CPU ``gather_mm`` takes float32 only: on the CPU, other dtypes are computed in float32
+    (gathering just the selected matrices when there are no more (token, expert) pairs than
+    experts, as in decoding) and cast back.
+    """
+    wt = mx.swapaxes(w, -1, -2)
+    if (x.dtype == mx.float32 and w.dtype == mx.float32) or mx.default_device().type != mx.DeviceType.cpu:
+        return mx.gather_mm(x, wt, rhs_indices=idx, sorted_indices=sorted_indices)
+    f32 = mx.float32
+    if idx.size <= w.shape[0]:
+        y = x.astype(f32) @ wt[idx].astype(f32)
+    else:
+        y = mx.gather_mm(x.astype(f32), wt.astype(f32), rhs_indices=idx, sorted_indices=sorted_indices)
+    return y.astype(x.dtype)
+
+
 class SwitchGLU(Layer):
     """``num_experts`` gated MLPs ``down_proj[e](act(gate[e] x) * up[e] x)`` applied per (token, expert) pair.
 
@@ -79,10 +97,9 @@ class SwitchGLU(Layer):
             idx = flat[order]                                            # [N*k]
         else:
             xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
-        h = mx.gather_mm(xe, mx.swapaxes(self.gate_up_proj, -1, -2), rhs_indices=idx, sorted_indices=order is not None)
+        h = gather_matmul(xe, self.gate_up_proj, idx, order is not None)
         gate, up = h[..., :self.hidden_dims], h[..., self.hidden_dims:]
-        y = mx.gather_mm(self._act(gate) * up, mx.swapaxes(self.down_proj, -1, -2), rhs_indices=idx,
-                         sorted_indices=order is not None)                # [..., 1, W]
+        y = gather_matmul(self._act(gate) * up, self.down_proj, idx, order is not None)   # [..., 1, W]
         if order is not None:
             y = y[mx.argsort(order)].reshape(n, k, -1)
         else:
