@@ -123,6 +123,20 @@ def _unit_lower_inverse_vjp(primals, cotangent, output):
     return mx.tril(-(a_t @ cotangent @ a_t), -1)
 
 
+def _halves(a, axis):
+    """``a`` cut into its single entries along ``axis`` by repeated halving.
+
+    MLX differentiates a cut into n pieces (by indexing, or one ``mx.split`` into n) with work and
+    memory of order n times the whole array, which makes a chunk loop's backward quadratic in the
+    number of chunks; halving keeps it at ``log2(n)`` times.
+    """
+    size = a.shape[axis]
+    if size == 1:
+        return [a]
+    left, right = mx.split(a, [size // 2], axis=axis)
+    return _halves(left, axis) + _halves(right, axis)
+
+
 def gated_delta_chunk(q, k, v, g, beta, h0, chunk_size: int = 64):
     """The chunked (WY) form on prepared inputs (q already scaled). Returns ``(o, state)``.
 
@@ -163,12 +177,13 @@ def gated_delta_chunk(q, k, v, g, beta, h0, chunk_size: int = 64):
     kg = k * mx.exp(last - gamma)[..., None]
     chunk_decay = mx.exp(last)[..., None]                                 # [B, H, n, 1, 1]
 
+    u, w, qg, attn, kg, chunk_decay = (_halves(a, axis=2) for a in (u, w, qg, attn, kg, chunk_decay))
     S = h0
     outs = []
     for i in range(n):
-        v_new = u[:, :, i] - w[:, :, i] @ S
-        outs.append(qg[:, :, i] @ S + attn[:, :, i] @ v_new)
-        S = S * chunk_decay[:, :, i] + mx.swapaxes(kg[:, :, i], -1, -2) @ v_new
+        v_new = u[i][:, :, 0] - w[i][:, :, 0] @ S
+        outs.append(qg[i][:, :, 0] @ S + attn[i][:, :, 0] @ v_new)
+        S = S * chunk_decay[i][:, :, 0] + mx.swapaxes(kg[i][:, :, 0], -1, -2) @ v_new
     o = mx.stack(outs, axis=2).reshape(B, H, n * C, V)[:, :, :T]
     return mx.swapaxes(o, 1, 2), S
 

@@ -12,13 +12,14 @@ from .gated_deltanet import GatedDeltaCache, GatedDeltaNet
 from .kmeans import KMeans
 from .linear import Linear, LinearWithWeights, MulRows
 from .mlp import MLP, SwiGLU
+from .moe import SparseMoE, SwitchGLU, load_balancing_loss
 from .norm import GatedRMSNorm, LayerNorm, RMSNorm
 from .pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
 from .softmax import Softmax
-from .transformer import TransformerBlock
+from .transformer import DecoderBlock, TransformerBlock
 
 __all__ = [
     "Layer", "Layers", "Sequential",
@@ -27,8 +28,8 @@ __all__ = [
     "Flatten", "Identity", "Reshape",
     "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",
-    "MLP", "SwiGLU",
-    "KVCache", "SelfAttention", "TransformerBlock", "GatedDeltaCache", "GatedDeltaNet",
+    "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss",
+    "KVCache", "SelfAttention", "DecoderBlock", "TransformerBlock", "GatedDeltaCache", "GatedDeltaNet",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
     "GRU", "LSTM", "RNN", "KMeans", "Softmax", "AdaptiveSoftmax", "AdaptiveSoftmaxOutput",

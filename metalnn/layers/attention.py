@@ -4,6 +4,10 @@ It takes sequences as `Data` with dims ``(W=features, H=positions, D=batch)`` (a
 ``[B, T, F]``) and returns the same dims. For decoding, pass a `KVCache` as ``cache=``: the new
 positions' keys and values are appended to it and the queries attend to everything cached so far,
 so each new token costs one projection of that token plus one pass over the cache (no recompute).
+
+Options used by the Llama relatives: per-head RMSNorm of queries and keys (Qwen3, Qwen3-Next,
+Qwen3.5), partial rotary dimensions (``rope_dims``), a sigmoid output gate produced by a doubled
+``q_proj`` (Qwen3-Next, Qwen3.5), and a sliding attention window (Mistral, Qwen2).
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import math
 
 import mlx.core as mx
 
+from .. import fastmath
 from .. import functional as F
 from ..data import Data, MTLSize
 from ..layer import Layer, no_positional
 from .linear import Linear
+from .norm import RMSNorm
 
 
 class KVCache:
@@ -97,6 +103,14 @@ class SelfAttention(Layer):
             (``rope_dims`` defaults to ``head_dim``; ``rope_freqs`` are periods, for custom scalings
             such as Llama 3's).
         scale: score scale (default ``head_dim ** -0.5``).
+        qk_norm: RMS-normalise each query and key head before RoPE, with learned gains ``q_norm``
+            and ``k_norm`` ``[head_dim]`` (`RMSNorm` with ``norm_eps`` and ``norm_offset``).
+        output_gate: ``q_proj`` also produces a gate: its rows are, per head, ``head_dim`` query rows
+            then ``head_dim`` gate rows (``[num_heads*2*head_dim, W]``), and the attention output
+            is multiplied by ``sigmoid(gate)`` before ``o_proj``.
+        sliding_window: each position attends only to the last ``sliding_window`` positions
+            (itself included); None attends to all earlier positions.
+        norm_eps, norm_offset: epsilon and gain offset of the q/k norms (see `RMSNorm`).
         init: initializer of the projections (default `Linear`'s).
         dtype: parameter dtype.
     """
@@ -106,7 +120,9 @@ class SelfAttention(Layer):
     def __init__(self, num_heads: int, *extra, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, out_bias: bool | None = None, causal: bool = True, rope: bool = True,
                  rope_base: float = 10000.0, rope_traditional: bool = False, rope_scale: float = 1.0, rope_freqs=None,
-                 rope_dims: int | None = None, scale: float | None = None, init=None, dtype=None):
+                 rope_dims: int | None = None, scale: float | None = None, qk_norm: bool = False,
+                 output_gate: bool = False, sliding_window: int | None = None, norm_eps: float = 1e-6,
+                 norm_offset: float = 0.0, init=None, dtype=None):
         super().__init__()
         no_positional("SelfAttention", extra, f"SelfAttention({num_heads}, num_kv_heads=...)")
         self.num_heads = int(num_heads)
@@ -125,6 +141,13 @@ class SelfAttention(Layer):
         self._rope_freqs = None if rope_freqs is None else mx.array(rope_freqs, dtype=mx.float32)
         self.rope_dims = rope_dims
         self.scale = scale
+        self.qk_norm = bool(qk_norm)
+        self.output_gate = bool(output_gate)
+        if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) <= 0):
+            raise ValueError(f"SelfAttention: sliding_window must be a positive int or None, got {sliding_window!r}")
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+        self.norm_eps = float(norm_eps)
+        self.norm_offset = float(norm_offset)
         self._init, self._dtype = init, dtype
 
     def build(self, device, dims, dtype):
@@ -133,10 +156,32 @@ class SelfAttention(Layer):
                          f"W={dims.W}")
             self.head_dim = dims.W // self.num_heads
         hd, kw = self.head_dim, dict(init=self._init, dtype=self._dtype)
-        self.q_proj = Linear(self.num_heads * hd, bias=self.use_bias, **kw)
+        self.q_proj = Linear(self.num_heads * hd * (2 if self.output_gate else 1), bias=self.use_bias, **kw)
         self.k_proj = Linear(self.num_kv_heads * hd, bias=self.use_bias, **kw)
         self.v_proj = Linear(self.num_kv_heads * hd, bias=self.use_bias, **kw)
         self.o_proj = Linear(dims.W, bias=self.out_bias, **kw)
+        if self.qk_norm:
+            nkw = dict(eps=self.norm_eps, offset=self.norm_offset, dtype=self._dtype)
+            self.q_norm = RMSNorm(hd, **nkw)
+            self.k_norm = RMSNorm(hd, **nkw)
+
+    def _head_norm(self, name, norm, device, x):
+        """Per-head RMSNorm of ``x`` ``[B, T, n*hd]`` (each head normalised over its ``hd``)."""
+        b, t = x.shape[0], x.shape[1]
+        y = self.compile_child(name, norm, device, Data(x.reshape(b, -1, self.head_dim))).array
+        return y.reshape(b, t, -1)
+
+    def _window_mask(self, t, k, v):
+        """Drop the keys no query can see and give the sliding-window part of the mask (the causal
+        part is the attention op's). Queries are the last ``t`` of the ``k.shape[2]`` positions."""
+        w, tk = self.sliding_window, k.shape[2]
+        start = max(0, tk - t - w + 1)
+        k, v = k[..., start:, :], v[..., start:, :]
+        if t == 1:
+            return k, v, None
+        q_pos = mx.arange(tk - t, tk)[:, None]
+        k_pos = mx.arange(start, tk)[None, :]
+        return k, v, k_pos > q_pos - w
 
     def forward(self, device, data, cache=None):
         d = data.dims
@@ -144,6 +189,13 @@ class SelfAttention(Layer):
         q = self.compile_child("q_proj", self.q_proj, device, data).array
         k = self.compile_child("k_proj", self.k_proj, device, data).array
         v = self.compile_child("v_proj", self.v_proj, device, data).array
+        gate = None
+        if self.output_gate:
+            qg = q.reshape(b, t, self.num_heads, 2 * hd)
+            q, gate = qg[..., :hd].reshape(b, t, -1), qg[..., hd:].reshape(b, t, -1)
+        if self.qk_norm:
+            q = self._head_norm("q_norm", self.q_norm, device, q)
+            k = self._head_norm("k_norm", self.k_norm, device, k)
         q = split_heads(q, b, t, self.num_heads, hd)
         k = split_heads(k, b, t, self.num_kv_heads, hd)
         v = split_heads(v, b, t, self.num_kv_heads, hd)
@@ -156,10 +208,19 @@ class SelfAttention(Layer):
                        device=device)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        o = F.attention(q, k, v, scale=self.scale, causal=self.causal, device=device)
-        o = Data(merge_heads(o, b, t), MTLSize(self.num_heads * hd, t, b))
+        mask = None
+        if self.sliding_window is not None:
+            k, v, mask = self._window_mask(t, k, v)
+        o = F.attention(q, k, v, scale=self.scale, causal=self.causal, mask=mask, device=device)
+        o = merge_heads(o, b, t)
+        if gate is not None:
+            o = o * fastmath.sigmoid(gate)
+        o = Data(o, MTLSize(self.num_heads * hd, t, b))
         return self.compile_child("o_proj", self.o_proj, device, o)
 
     def _extra_repr(self):
+        extra = "".join(f", {k}=True" for k in ("qk_norm", "output_gate") if getattr(self, k))
+        if self.sliding_window is not None:
+            extra += f", sliding_window={self.sliding_window}"
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"rope={self.use_rope}")
+                f"rope={self.use_rope}" + extra)

@@ -17,8 +17,9 @@ class _Norm(Layer):
     fixed_axes = ("W",)
     has_bias = False
 
-    def __init__(self, name, dims, extra, eps, affine, bias, dtype):
+    def __init__(self, name, dims, extra, eps, affine, bias, dtype, offset=0.0):
         super().__init__()
+        self.offset = float(offset)
         no_positional(name, extra, f"{name}({dims}, eps={extra[0] if extra else 1e-5})")
         if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims <= 0):
             raise ValueError(f"{name}: dims must be a positive int (the feature width), got {dims!r}")
@@ -33,8 +34,8 @@ class _Norm(Layer):
             self.mark_built((int(dims), 1, 1))
 
     def _create(self, width, dtype):
-        if self.affine:
-            self.weight = mx.ones((width,), dtype=dtype)
+        if self.affine:  # the gain starts at 1 (stored as 1 - offset)
+            self.weight = mx.full((width,), 1.0 - self.offset, dtype=dtype)
             if self.use_bias:
                 self.bias = mx.zeros((width,), dtype=dtype)
 
@@ -43,22 +44,37 @@ class _Norm(Layer):
 
 
 class RMSNorm(_Norm):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the W axis (as ``mlx.nn.RMSNorm``).
+    """``x / sqrt(mean(x^2) + eps) * (offset + weight)`` over the W axis (as ``mlx.nn.RMSNorm``
+    when ``offset`` is 0).
 
     Args:
         dims: feature width (optional: taken from the first input when not given).
         eps: added to the mean square.
-        affine: learn the per-feature gain ``weight[dims]`` (ones), as Llama does; ``False`` gives
-            the gain-free form.
+        affine: learn the per-feature gain ``weight[dims]``, as Llama does; ``False`` gives the
+            gain-free form.
+        offset: added to ``weight`` to form the gain. ``offset=1`` is the zero-centred convention of
+            Qwen3-Next, Qwen3.5 and Gemma (``x_hat * (1 + weight)``, weight starting at zeros); the
+            normalisation and gain are then computed in float32 and cast back, as transformers does.
+            With ``offset=0`` (default) the weight starts at ones.
         dtype: parameter dtype.
     """
 
-    def __init__(self, dims: int | None = None, *extra, eps: float = 1e-5, affine: bool = True, dtype=None):
-        super().__init__("RMSNorm", dims, extra, eps, affine, False, dtype)
+    def __init__(self, dims: int | None = None, *extra, eps: float = 1e-5, affine: bool = True, offset: float = 0.0,
+                 dtype=None):
+        super().__init__("RMSNorm", dims, extra, eps, affine, False, dtype, offset=offset)
 
     def forward(self, device, data):
-        w = self.weight if self.affine else None
-        return Data(F.rms_norm(data.array, w, self.eps, device=device), data.dims)
+        x = data.array
+        if not self.affine:
+            return Data(F.rms_norm(x, None, self.eps, device=device), data.dims)
+        if not self.offset:
+            return Data(F.rms_norm(x, self.weight, self.eps, device=device), data.dims)
+        gain = self.weight.astype(mx.float32) + self.offset
+        y = F.rms_norm(x.astype(mx.float32), gain, self.eps, device=device)
+        return Data(y.astype(x.dtype), data.dims)
+
+    def _extra_repr(self):
+        return f"eps={self.eps}, offset={self.offset}" if self.offset else f"eps={self.eps}"
 
 
 class LayerNorm(_Norm):

@@ -5,7 +5,9 @@
 >>> new = metalnn.generate(model, [1, 2, 3], max_new_tokens=20)     # greedy
 >>> model.save_pretrained("out/")                                   # transformers can load it
 
-Supported architectures: ``LlamaForCausalLM`` and ``GPT2LMHeadModel``.
+Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Qwen3NextForCausalLM`` and ``Qwen3_5ForCausalLM`` (also
+the text model of a ``Qwen3_5ForConditionalGeneration`` folder).
 """
 
 from __future__ import annotations
@@ -21,12 +23,25 @@ from ..tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from .base import DTYPES, CausalLM
 from .gpt2 import GPT2LMHeadModel
 from .llama import LlamaForCausalLM, llama_config
+from .mistral import MistralForCausalLM
+from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+from .qwen3_5 import Qwen3_5ForCausalLM
+from .qwen3_next import Qwen3NextForCausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its text model
 }
-_MODEL_TYPES = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}
+_MODEL_TYPES = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "qwen2": Qwen2ForCausalLM,
+                "qwen3": Qwen3ForCausalLM, "mistral": MistralForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
+                "qwen3_5_text": Qwen3_5ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
 
 
 def read_config(path) -> dict:
@@ -105,6 +120,7 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
     return model.eval()
 
 
-__all__ = ["ARCHITECTURES", "CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "Tokenizer", "UnsupportedConfigError",
+__all__ = ["ARCHITECTURES", "CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+           "Qwen3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Tokenizer", "UnsupportedConfigError",
            "char_tokenizer", "from_config", "llama_config", "load_pretrained", "load_tokenizer", "model_class",
            "read_config"]

@@ -67,13 +67,21 @@ def llama3_rope_periods(dims: int, base: float, params: dict):
 
 
 class LlamaModel(Layer):
-    """Embedding, decoder blocks and final norm (``model.*`` in a checkpoint)."""
+    """Embedding, decoder blocks and final norm (``model.*`` in a checkpoint).
 
-    def __init__(self, vocab_size, hidden, n_layers, block_kwargs, eps, init_std=0.02):
+    Args:
+        vocab_size, hidden: embedding table size and width.
+        layers: the decoder blocks (each called as ``block.compile(device, h, cache=...)``).
+        eps: epsilon of the final RMSNorm.
+        init_std: std of the embedding initialisation.
+        norm_offset: gain offset of the final RMSNorm (see `RMSNorm`).
+    """
+
+    def __init__(self, vocab_size, hidden, layers, eps, init_std=0.02, norm_offset=0.0):
         super().__init__()
         self.embed_tokens = Embedding(vocab_size, hidden, init=initializers.Normal(init_std))
-        self.layers = [TransformerBlock(**block_kwargs) for _ in range(n_layers)]
-        self.norm = RMSNorm(hidden, eps=eps)
+        self.layers = list(layers)
+        self.norm = RMSNorm(hidden, eps=eps, offset=norm_offset)
 
     def forward(self, device, data, cache=None):
         h = self.compile_child("embed_tokens", self.embed_tokens, device, data)
@@ -91,30 +99,58 @@ class LlamaForCausalLM(CausalLM):
     llama3), ``attention_bias``, ``mlp_bias``, ``hidden_act``, ``tie_word_embeddings``,
     ``max_position_embeddings``, ``initializer_range`` (random init std of the embeddings).
 
+    The Llama relatives (`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM`, the hybrid
+    Qwen3.5 and Qwen3-Next models) subclass it and change ``block_options`` / ``decoder_layer``.
+
     Args: see `CausalLM` (``config``, ``seed``).
     """
 
     architecture = "LlamaForCausalLM"
     model_type = "llama"
+    #: llama.cpp's ``general.architecture`` for this family (GGUF files); Mistral is written as "llama" too
+    gguf_architecture = "llama"
+    #: head width when the config has no ``head_dim`` (None: ``hidden_size // num_attention_heads``)
+    default_head_dim: int | None = None
+    #: gain offset of every RMSNorm (1 for the zero-centred gains of Qwen3.5 / Qwen3-Next)
+    norm_offset = 0.0
 
     def _build(self):
         c = self.config
         hidden = int(c["hidden_size"])
-        n_heads = int(c["num_attention_heads"])
-        n_kv = int(c.get("num_key_value_heads") or n_heads)
-        head_dim = int(c.get("head_dim") or hidden // n_heads)
         act = c.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
             raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (supported: {list(ACTIVATIONS)})")
-        init = initializers.Normal(float(c.get("initializer_range", 0.02)))  # transformers' init
-        block = dict(num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim, mlp_dims=int(c["intermediate_size"]),
-                     eps=float(c.get("rms_norm_eps", 1e-6)), attention_bias=bool(c.get("attention_bias", False)),
-                     mlp_bias=bool(c.get("mlp_bias", False)), activation=act, init=init, **rope_settings(c, head_dim))
+        self.init = initializers.Normal(float(c.get("initializer_range", 0.02)))  # transformers' init
         self.tie_word_embeddings = bool(c.get("tie_word_embeddings", False))
-        self.model = LlamaModel(int(c["vocab_size"]), hidden, int(c["num_hidden_layers"]), block,
-                                float(c.get("rms_norm_eps", 1e-6)), float(c.get("initializer_range", 0.02)))
+        eps = float(c.get("rms_norm_eps", 1e-6))
+        layers = [self.decoder_layer(i) for i in range(int(c["num_hidden_layers"]))]
+        self.model = LlamaModel(int(c["vocab_size"]), hidden, layers, eps, float(c.get("initializer_range", 0.02)),
+                                norm_offset=self.norm_offset)
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(int(c["vocab_size"]), bias=False, init=init)
+            self.lm_head = Linear(int(c["vocab_size"]), bias=False, init=self.init)
+
+    @property
+    def head_dim(self) -> int:
+        c = self.config
+        return int(c.get("head_dim") or self.default_head_dim or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+
+    def attention_options(self) -> dict:
+        """`SelfAttention` keywords shared by every attention layer (heads, RoPE, init)."""
+        c = self.config
+        n_heads = int(c["num_attention_heads"])
+        return dict(num_heads=n_heads, num_kv_heads=int(c.get("num_key_value_heads") or n_heads),
+                    head_dim=self.head_dim, init=self.init, **rope_settings(c, self.head_dim))
+
+    def block_options(self, layer: int) -> dict:
+        """`TransformerBlock` keywords of decoder layer ``layer``."""
+        c = self.config
+        return dict(self.attention_options(), mlp_dims=int(c["intermediate_size"]),
+                    eps=float(c.get("rms_norm_eps", 1e-6)), attention_bias=bool(c.get("attention_bias", False)),
+                    mlp_bias=bool(c.get("mlp_bias", False)), activation=c.get("hidden_act", "silu"))
+
+    def decoder_layer(self, layer: int) -> Layer:
+        """Decoder layer number ``layer`` (a `TransformerBlock` for Llama)."""
+        return TransformerBlock(**self.block_options(layer))
 
     @property
     def num_layers(self):
@@ -143,6 +179,23 @@ class LlamaForCausalLM(CausalLM):
 
     def export_weights(self):
         return self.named_parameters()
+
+
+def layer_types(config: dict, allowed: tuple, default: str) -> list:
+    """The config's ``layer_types`` (one per layer), checked against ``allowed``; ``default`` for
+    every layer when the config has none."""
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        return [default] * n
+    if not isinstance(types, (list, tuple)) or len(types) != n:
+        raise UnsupportedConfigError(f"layer_types must list one entry per layer (num_hidden_layers={n}), got "
+                                     f"{types!r}")
+    for i, kind in enumerate(types):
+        if kind not in allowed:
+            raise UnsupportedConfigError(f"layer_types[{i}] = {kind!r} is not supported (supported: "
+                                         f"{', '.join(allowed)})")
+    return list(types)
 
 
 def llama_config(vocab_size: int, hidden_size: int = 256, num_hidden_layers: int = 4, num_attention_heads: int = 4,

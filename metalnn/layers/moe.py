@@ -1,0 +1,234 @@
+"""Sparse mixture of experts: `SwitchGLU` (many gated MLPs in stacked weights), `SparseMoE` (router
+with top-k routing, experts, optional shared expert) and `load_balancing_loss`.
+
+The experts run as grouped matrix products (``mx.gather_mm``): each token multiplies only the
+weights of the experts it was routed to, with no loop over experts. Names follow Hugging Face's
+Qwen3-Next (and Qwen2-MoE / Qwen3-MoE in transformers 5): ``gate.weight`` (router ``[E, W]``),
+``experts.gate_up_proj`` ``[E, 2*I, W]``, ``experts.down_proj`` ``[E, W, I]``, ``shared_expert.*``
+and ``shared_expert_gate.weight`` ``[1, W]``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import functional as F
+from .. import init as initializers
+from ..data import Data, MTLSize
+from ..layer import Layer, no_positional
+from .linear import Linear, float_dtype
+from .mlp import SwiGLU
+
+#: Sort the (token, expert) pairs by expert before the grouped products from this many pairs on.
+SORT_FROM = 64
+
+
+def gather_matmul(x, w, idx, sorted_indices=False):
+    """``x @ w[idx].T`` for stacked weights ``w`` ``[E, out, in]`` (``mx.gather_mm``).
+
+    MLX's CPU ``gather_mm`` takes float32 only: on the CPU, other dtypes are computed in float32
+    (gathering just the selected matrices when there are no more (token, expert) pairs than
+    experts, as in decoding) and cast back.
+    """
+    wt = mx.swapaxes(w, -1, -2)
+    if (x.dtype == mx.float32 and w.dtype == mx.float32) or mx.default_device().type != mx.DeviceType.cpu:
+        return mx.gather_mm(x, wt, rhs_indices=idx, sorted_indices=sorted_indices)
+    f32 = mx.float32
+    if idx.size <= w.shape[0]:
+        y = x.astype(f32) @ wt[idx].astype(f32)
+    else:
+        y = mx.gather_mm(x.astype(f32), wt.astype(f32), rhs_indices=idx, sorted_indices=sorted_indices)
+    return y.astype(x.dtype)
+
+
+class SwitchGLU(Layer):
+    """``num_experts`` gated MLPs ``down_proj[e](act(gate[e] x) * up[e] x)`` applied per (token, expert) pair.
+
+    ``compile(device, data, indices=idx)`` with ``data`` a `Data` of token rows ``[N, W]`` (dims
+    ``(W, 1, N)``) and ``idx`` ``[N, k]`` expert ids gives `Data` ``[N, k, W]`` (dims ``(W, k, N)``):
+    row ``n``'s output through each of its ``k`` experts.
+
+    Parameters: ``gate_up_proj`` ``[E, 2*hidden, W]`` (gate rows then up rows of each expert) and
+    ``down_proj`` ``[E, W, hidden]``.
+
+    Args:
+        num_experts: number of experts E.
+        hidden_dims: hidden width of one expert (``moe_intermediate_size``).
+        activation: the gate's activation (``silu``).
+        init: initializer of both weights (default: N(0, 0.02), transformers' expert init).
+        dtype: parameter dtype.
+    """
+
+    fixed_axes = ("W",)
+
+    def __init__(self, num_experts: int, hidden_dims: int, *extra, activation: str = "silu", init=None,
+                 dtype=None):
+        super().__init__()
+        no_positional("SwitchGLU", extra, f"SwitchGLU({num_experts}, {hidden_dims}, activation=...)")
+        if num_experts <= 0 or hidden_dims <= 0:
+            raise ValueError(f"SwitchGLU: num_experts and hidden_dims must be positive, got {num_experts}, "
+                             f"{hidden_dims}")
+        self.num_experts = int(num_experts)
+        self.hidden_dims = int(hidden_dims)
+        self.activation = F.check_activation(activation)
+        self._init = initializers.get(init, initializers.Normal(0.02))
+        self._dtype = dtype
+
+    def build(self, device, dims, dtype):
+        dtype = self._dtype or float_dtype(dtype)
+        e, h, w = self.num_experts, self.hidden_dims, dims.W
+        self.gate_up_proj = self._init((e, 2 * h, w), w, 2 * h, device.next_key(), dtype)
+        self.down_proj = self._init((e, w, h), h, w, device.next_key(), dtype)
+
+    def forward(self, device, data, indices=None):
+        if indices is None:
+            raise TypeError(f"{self._describe()}: needs indices= (expert ids [N, k])")
+        x = data.array.reshape(-1, data.dims.W)
+        n, k = indices.shape
+        self.require(n == x.shape[0], f"indices for {x.shape[0]} rows", f"indices of shape {tuple(indices.shape)}")
+        idx = mx.stop_gradient(indices)
+        order = None
+        if idx.size >= SORT_FROM:  # group the (token, expert) pairs by expert: contiguous weight reads
+            flat = idx.flatten()
+            order = mx.argsort(flat)
+            xe = x[order // k][:, None, :]                               # [N*k, 1, W]
+            idx = flat[order]                                            # [N*k]
+        else:
+            xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
+        h = gather_matmul(xe, self.gate_up_proj, idx, order is not None)
+        gate, up = h[..., :self.hidden_dims], h[..., self.hidden_dims:]
+        act = F.activation(gate, self.activation, device=device)
+        y = gather_matmul(act * up, self.down_proj, idx, order is not None)                # [..., 1, W]
+        if order is not None:
+            y = y[mx.argsort(order)].reshape(n, k, -1)
+        else:
+            y = y.reshape(n, k, -1)
+        return Data(y, MTLSize(x.shape[-1], k, n))
+
+    def _extra_repr(self):
+        return f"num_experts={self.num_experts}, hidden_dims={self.hidden_dims}, activation={self.activation!r}"
+
+
+class RouterRecord:
+    """The router logits of a `SparseMoE`'s most recent call (kept outside the module's parameter
+    tree, so it never enters ``parameters()``, checkpoints or compiled state)."""
+
+    def __init__(self):
+        self.logits = None
+
+    def __repr__(self):
+        return f"RouterRecord({None if self.logits is None else tuple(self.logits.shape)})"
+
+
+class SparseMoE(Layer):
+    """A sparse mixture-of-experts feed-forward block with top-k routing (Qwen3-Next's).
+
+    For each token ``x``: ``p = softmax(gate(x))`` over the experts; the ``top_k`` largest
+    probabilities pick the experts (renormalised to sum to 1 when ``norm_topk_prob``), and the output
+    is ``sum_j p_j * expert_j(x)``, plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` when
+    there is a shared expert. Gradients reach the router through the routing weights (the choice of
+    experts itself is not differentiable).
+
+    With ``record_router_logits`` the router logits of the most recent call are kept in
+    ``router_logits`` (``[tokens, E]``) for the auxiliary `load_balancing_loss`; read them inside
+    the loss function and call ``forget_router_logits()`` afterwards, so that the array (and the
+    graph behind it) is not held until the next call.
+
+    Args:
+        num_experts: number of routed experts E.
+        top_k: experts per token (``num_experts_per_tok``).
+        hidden_dims: hidden width of each expert (``moe_intermediate_size``).
+        norm_topk_prob: renormalise the selected probabilities.
+        shared_expert_dims: hidden width of the shared `SwiGLU` expert (None: no shared expert).
+        activation: the experts' gate activation (``silu``).
+        record_router_logits: keep the router logits of each call (see above).
+        init: initializer of the router, the experts and the shared expert (default: N(0, 0.02)).
+        dtype: parameter dtype.
+    """
+
+    fixed_axes = ("W",)
+
+    def __init__(self, num_experts: int, top_k: int, hidden_dims: int, *extra, norm_topk_prob: bool = True,
+                 shared_expert_dims: int | None = None, activation: str = "silu", record_router_logits: bool = False,
+                 init=None, dtype=None):
+        super().__init__()
+        no_positional("SparseMoE", extra, f"SparseMoE({num_experts}, {top_k}, {hidden_dims}, norm_topk_prob=...)")
+        if not 0 < int(top_k) <= int(num_experts):
+            raise ValueError(f"SparseMoE: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.num_experts = int(num_experts)
+        self.top_k = int(top_k)
+        self.norm_topk_prob = bool(norm_topk_prob)
+        init = initializers.get(init, initializers.Normal(0.02))
+        self.gate = Linear(self.num_experts, bias=False, init=init, dtype=dtype)
+        self.experts = SwitchGLU(self.num_experts, hidden_dims, activation=activation, init=init, dtype=dtype)
+        if shared_expert_dims:
+            self.shared_expert = SwiGLU(int(shared_expert_dims), activation=activation, init=init, init_out=init,
+                                        dtype=dtype)
+            self.shared_expert_gate = Linear(1, bias=False, init=init, dtype=dtype)
+        self.record_router_logits = bool(record_router_logits)
+        self._record = RouterRecord()
+
+    @property
+    def router_logits(self):
+        """Router logits ``[tokens, E]`` of the most recent call (None unless ``record_router_logits``)."""
+        return self._record.logits
+
+    def forget_router_logits(self):
+        self._record.logits = None
+
+    def route(self, logits):
+        """``(weights [N, k], expert ids [N, k])`` from router logits ``[N, E]``; weights in float32."""
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        k = self.top_k
+        ids = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k])
+        weights = mx.take_along_axis(probs, ids, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights, ids
+
+    def forward(self, device, data):
+        d = data.dims
+        x = data.array.reshape(-1, d.W)
+        rows = Data(x, MTLSize(d.W, 1, x.shape[0]))
+        logits = self.compile_child("gate", self.gate, device, rows).array.reshape(-1, self.num_experts)
+        if self.record_router_logits:
+            self._record.logits = logits
+        weights, ids = self.route(logits)
+        y = self.compile_child("experts", self.experts, device, rows, indices=ids).array     # [N, k, W]
+        y = (y * weights[..., None].astype(y.dtype)).sum(axis=1)
+        if "shared_expert" in self:
+            s = self.compile_child("shared_expert", self.shared_expert, device, rows).array.reshape(-1, d.W)
+            g = self.compile_child("shared_expert_gate", self.shared_expert_gate, device, rows).array.reshape(-1, 1)
+            y = y + F.activation(g, "sigmoid", device=device) * s
+        return Data(y.reshape(data.array.shape[:-1] + (d.W,)), d)
+
+    def _extra_repr(self):
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
+                f"shared_expert={'shared_expert' in self}")
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int):
+    """The auxiliary load-balancing loss of Switch Transformer, as transformers computes it.
+
+    ``E * sum_e f_e * P_e`` where, over all tokens of all given layers, ``f_e`` is the number of
+    top-k selections of expert ``e`` per token and ``P_e`` the mean router probability of ``e``.
+    It is ``top_k`` for perfectly balanced routing and grows as routing concentrates. Differentiable
+    in the logits through ``P``.
+
+    Args:
+        router_logits: a list of ``[tokens, E]`` arrays (one per MoE layer) or one array.
+        num_experts: E.
+        top_k: experts per token.
+    Returns:
+        a scalar float32 array.
+    """
+    if isinstance(router_logits, mx.array):
+        router_logits = [router_logits]
+    if not router_logits:
+        raise ValueError("load_balancing_loss: no router logits (run the model on some tokens first)")
+    logits = mx.concatenate([lg.reshape(-1, num_experts) for lg in router_logits], axis=0).astype(mx.float32)
+    probs = mx.softmax(logits, axis=-1)
+    chosen = mx.argpartition(-mx.stop_gradient(probs), kth=top_k - 1, axis=-1)[:, :top_k]
+    counts = (chosen[..., None] == mx.arange(num_experts)).astype(mx.float32).sum(axis=(0, 1))
+    rows = logits.shape[0]
+    return num_experts * mx.sum((counts / rows) * (probs.sum(axis=0) / rows))
