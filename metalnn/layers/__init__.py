@@ -13,6 +13,7 @@ from .linear import Linear, LinearWithWeights, MulRows
 from .mlp import MLP, SwiGLU
 from .norm import GatedRMSNorm, LayerNorm, RMSNorm
 from .pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
+from .quantized import QuantizedEmbedding, QuantizedLinear
 from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
@@ -22,7 +23,7 @@ from .transformer import TransformerBlock
 __all__ = [
     "Layer", "Layers", "Sequential",
     "Activation", "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation",
-    "Linear", "LinearWithWeights", "MulRows", "Embedding",
+    "Linear", "LinearWithWeights", "MulRows", "Embedding", "QuantizedLinear", "QuantizedEmbedding",
     "Flatten", "Identity", "Reshape",
     "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",
