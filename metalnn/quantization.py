@@ -58,13 +58,18 @@ def _param_bytes(model) -> int:
     return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
+def _path_order(item):
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in item[0].split(".")]
+
+
 def eligible_layers(model) -> list:
-    """``[(path, layer)]`` of the float `Linear` / `Embedding` layers of ``model``."""
-    return [(p, m) for p, m in model.named_modules() if p and isinstance(m, (Linear, Embedding))]
+    """``[(path, layer)]`` of the float `Linear` / `Embedding` layers of ``model``, in model order."""
+    return sorted(((p, m) for p, m in model.named_modules() if p and isinstance(m, (Linear, Embedding))),
+                  key=_path_order)
 
 
 def quantized_layers(model) -> list:
-    return [(p, m) for p, m in model.named_modules() if p and isinstance(m, QUANTIZED)]
+    return sorted(((p, m) for p, m in model.named_modules() if p and isinstance(m, QUANTIZED)), key=_path_order)
 
 
 def _width(layer) -> int | None:
