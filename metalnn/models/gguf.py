@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import UnsupportedConfigError, WeightLoadError
-from ..gguf_file import GGUFHeader, find_gguf, load_tensors, quantization_of, read_header
+from ..gguf_file import GGUFHeader, check_supported, find_gguf, load_tensors, quantization_of, read_header
 
 #: GGUF tensor names outside the blocks -> Hugging Face module paths
 LLAMA_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -200,6 +200,7 @@ def read_checkpoint(path) -> GGUFCheckpoint:
         UnsupportedConfigError: an architecture or metadata value metalnn does not support.
     """
     header = read_header(path)
+    check_supported(header)
     arch, spec = _architecture(header)
     config = build_config(header)
     q = quantization_config(header, spec)
