@@ -234,3 +234,46 @@ def test_chat_template_errors():
     # the sandbox refuses attribute tricks
     with pytest.raises(Exception, match="unsafe|not safely|access"):
         render("{{ messages.__class__.__mro__ }}", [{"role": "user", "content": "x"}])
+
+
+def _llama_cpp_rope_factors(head_dim, base, scaling):
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3 rope scaling."""
+    import math
+
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / scaling["low_freq_factor"], old / scaling["high_freq_factor"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(scaling["factor"])
+        else:
+            smooth = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] -
+                                                                    scaling["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_factors_match_transformers_llama3_scaling(tmp_path):
+    """Llama 3.x GGUF files carry the rope scaling as per-frequency factors (``rope_freqs``);
+    transformers' GGUF reader ignores them, so the oracle is transformers' Llama with the
+    original ``rope_scaling`` on the same (float32) weights."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    torch.manual_seed(2)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, rope_scaling=scaling, max_position_embeddings=256,
+        initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    factors = _llama_cpp_rope_factors(16, 10000.0, scaling)
+    assert factors.max() > 1.0  # the scaling changes some frequencies
+    path = G.write(tmp_path / "llama3.gguf", hf, types={}, extra_tensors={"rope_freqs.weight": (factors, Q.F32)})
+    model = load_pretrained(path)
+    assert model.config["rope_freq_factors"] == pytest.approx(factors.tolist())
+    tokens = np.random.default_rng(1).integers(0, 400, (1, 60)).tolist()  # positions past 32
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(_logits(model, tokens), ref, atol=ATOL, rtol=ATOL)

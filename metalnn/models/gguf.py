@@ -8,7 +8,9 @@ q_proj.weight``; quantized tensors keep MLX's ``weight`` / ``scales`` / ``biases
 
 llama.cpp's converter reorders the rows of the query and key projections of Llama-family models
 (so that its rotary embedding can rotate adjacent pairs); that is undone here, row by row, so the
-tensors equal the original checkpoint's and metalnn's (half-split) RoPE applies.
+tensors equal the original checkpoint's and metalnn's (half-split) RoPE applies. Llama 3's rope
+scaling arrives as a ``rope_freqs`` tensor of per-frequency factors; it becomes the config's
+``rope_freq_factors``.
 
 `ARCHITECTURES` maps a GGUF ``general.architecture`` to a `GGUFArchitecture`: which metalnn
 architecture it becomes, how its tensors are named, how its config is built and whether Q/K rows
@@ -20,6 +22,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
+
+import mlx.core as mx
 
 from ..errors import UnsupportedConfigError, WeightLoadError
 from ..gguf_file import GGUFHeader, check_supported, find_gguf, load_tensors, quantization_of, read_header
@@ -207,6 +211,9 @@ def read_checkpoint(path) -> GGUFCheckpoint:
     if q is not None:
         config["quantization"] = q
     arrays = load_tensors(header)
+    factors = arrays.pop("rope_freqs.weight", None)  # Llama 3 rope scaling, one factor per frequency
+    if factors is not None:
+        config["rope_freq_factors"] = [float(f) for f in factors.astype(mx.float32).tolist()]
     tensors, bad = {}, {}
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     for name, a in arrays.items():
