@@ -36,7 +36,8 @@ def local_path(path_or_name, allow_patterns=MODEL_FILES) -> Path:
         return path
     name = str(path_or_name)
     if not is_repo_id(name):
-        raise FileNotFoundError(f"{name}: no such file or folder")
+        raise FileNotFoundError(f"{name}: no such file or folder (expected a model folder with config.json, a .gguf "
+                                f"file, or a Hub name org/name)")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a dependency

@@ -175,13 +175,30 @@ def tokenizer_from_gguf(header) -> Tokenizer:
     tok = gt.build(meta, source=str(header.path))
     template = meta.get("tokenizer.chat_template")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    ids = set(_ids(eos)) | set(_ids(meta.get("tokenizer.ggml.eot_token_id"))) | set(
-        _ids(meta.get("tokenizer.ggml.eom_token_id"))) | end_of_turn_ids(template, tok.token_to_id)
     special = {name: gt.special_token(meta, key) for name, key in
                (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
                 ("pad_token", "padding_token_id"))}
     return Tokenizer(tok, eos_token_id=eos, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-                     chat_template=template, special_tokens=special, eos_token_ids=ids)
+                     chat_template=template, special_tokens=special, eos_token_ids=gguf_eos_ids(meta))
+
+
+def gguf_eos_ids(meta: dict) -> frozenset:
+    """The EOS set of GGUF metadata without building the tokenizer: the EOS, end-of-turn and
+    end-of-message ids, and the `END_OF_TURN_TOKENS` the chat template writes."""
+    if "tokenizer.ggml.tokens" not in meta:
+        return frozenset()
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token_to_id(token):
+        try:
+            return tokens.index(token)
+        except ValueError:
+            return None
+
+    ids = set()
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        ids |= set(_ids(meta.get(f"tokenizer.ggml.{key}")))
+    return frozenset(ids | end_of_turn_ids(meta.get("tokenizer.chat_template"), token_to_id))
 
 
 def load_tokenizer(path) -> Tokenizer:

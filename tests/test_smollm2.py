@@ -42,6 +42,16 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
 COMPLETIONS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """transformers runs on one thread here: on a busy 2-core machine two threads mostly wait for
+    each other (speed is measured in scripts/bench_generate.py, not here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def ours():
     return load_pretrained(FILE)

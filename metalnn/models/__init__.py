@@ -21,7 +21,7 @@ from ..errors import UnsupportedConfigError, WeightLoadError
 from ..gguf_file import find_gguf
 from ..hub import MODEL_FILES, local_path
 from ..weights import DictProvider, open_provider
-from ..tokenizer import Tokenizer, char_tokenizer, load_tokenizer, tokenizer_from_gguf
+from ..tokenizer import Tokenizer, char_tokenizer, gguf_eos_ids, load_tokenizer
 from . import gguf
 from .base import DTYPES, CausalLM
 from .gpt2 import GPT2LMHeadModel
@@ -102,16 +102,19 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
     gguf_file = find_gguf(path) if path.suffix == ".gguf" or not (path / "config.json").exists() else None
     if gguf_file is not None:
         checkpoint = gguf.read_checkpoint(gguf_file)
-        config, provider, source = checkpoint.config, DictProvider(checkpoint.tensors, str(gguf_file)), gguf_file
+        config, source = checkpoint.config, gguf_file
+        cls = model_class(config)
+        model = cls(config)
+        provider = DictProvider(checkpoint.tensors, str(gguf_file))
         default_dtype = mx.float32
     else:
-        config = read_config(path)
-        provider, source = open_provider(path), path
+        config, source = read_config(path), path
+        cls = model_class(config)
+        model = cls(config)
+        provider = open_provider(path)
         floats = [provider.spec(k)[1] for k in provider.keys()]
         floats = [d for d in floats if mx.issubdtype(d, mx.floating)]
         default_dtype = floats[0] if floats else mx.float32
-    cls = model_class(config)
-    model = cls(config)
     qconfig = quantization.read_config(config, str(source))
     if qconfig is not None:
         names = [n for n in (model.rename_weight(k) for k in provider.keys()) if n is not None]
@@ -131,11 +134,12 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
 
 def _checkpoint_eos(path, gguf_header) -> frozenset:
     """The EOS set of the checkpoint's tokenizer (empty when it has none)."""
+    if gguf_header is not None:
+        return gguf_eos_ids(gguf_header.metadata)
     try:
-        tok = tokenizer_from_gguf(gguf_header) if gguf_header is not None else load_tokenizer(path)
+        return load_tokenizer(path).eos_token_ids
     except (FileNotFoundError, ValueError):
         return frozenset()
-    return tok.eos_token_ids
 
 
 __all__ = ["ARCHITECTURES", "CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "Tokenizer", "UnsupportedConfigError",
