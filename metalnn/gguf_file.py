@@ -211,11 +211,10 @@ def load_tensors(header: GGUFHeader) -> dict:
         raise WeightLoadError(source=str(path), message=f"{path}: MLX could not read the GGUF file ({e})") from None
     bf16 = [t for t in header.tensors.values() if t.type == "BF16"]
     if bf16:
-        raw = np.memmap(path, dtype=np.uint16, mode="r")
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
         for t in bf16:
-            start = t.offset // 2
-            words = np.array(raw[start:start + t.nbytes // 2]).reshape(t.shape)
-            arrays[t.name] = mx.array(words).view(mx.bfloat16)
+            words = np.frombuffer(raw[t.offset:t.offset + t.nbytes], dtype="<u2").reshape(t.shape)
+            arrays[t.name] = mx.array(words.astype(np.uint16)).view(mx.bfloat16)
         del raw
     return arrays
 
