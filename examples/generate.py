@@ -48,7 +48,7 @@ def main(argv=None):
         prompt = tok.encode(args.prompt) if args.prompt else []
         if not prompt:
             prompt = [tok.bos_token_id if tok.bos_token_id is not None else 0]
-        eos = tok.eos_token_id
+        eos = tok.eos_token_ids
     else:
         try:
             prompt = [int(t) for t in args.prompt.replace(",", " ").split()] or [0]
@@ -56,7 +56,7 @@ def main(argv=None):
             p.error("this checkpoint has no tokenizer.json: give --prompt as token ids, e.g. --prompt '1 2 3'")
         eos = model.eos_token_id
     if args.no_eos:
-        eos = None
+        eos = ()  # never stop early
 
     ctx = args.max_context or model.config.get("max_position_embeddings") or model.config.get("n_positions")
 

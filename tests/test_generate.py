@@ -85,7 +85,9 @@ def test_decoding_feeds_one_token_per_step(models):
     spy = _Spy(model)
     out = mn.generate(spy, list(range(10)), 8)
     assert len(out) == 8
-    assert spy.lengths == [10] + [1] * 7  # prefill once, then one new token per step
+    # prefill once (all but the last prompt token only fill the cache, so the output projection
+    # runs for the last one alone), then one new token per step
+    assert spy.lengths == [9, 1] + [1] * 7
 
 
 def test_max_context_rebuilds_cache_from_recent_tokens(models):
@@ -93,8 +95,8 @@ def test_max_context_rebuilds_cache_from_recent_tokens(models):
     prompt = list(range(6))
     spy = _Spy(model)
     out = mn.generate(spy, prompt, 30, max_context=16)
-    # prefill 6, then single tokens until 16 positions are used, then re-prefill the last 8, ...
-    assert spy.lengths[:12] == [6] + [1] * 10 + [8]
+    # prefill 6 (5 + 1), then single tokens until 16 positions are used, then re-prefill the last 8 (7 + 1), ...
+    assert spy.lengths[:14] == [5, 1] + [1] * 10 + [7, 1]
     assert max(spy.lengths) <= 16 and len(out) == 30
     assert out[:11] == mn.generate(model, prompt, 11)
     # the step after a rebuild sees exactly the last 8 tokens

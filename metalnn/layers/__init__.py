@@ -15,6 +15,7 @@ from .mlp import MLP, SwiGLU
 from .moe import SparseMoE, SwitchGLU, load_balancing_loss
 from .norm import GatedRMSNorm, LayerNorm, RMSNorm
 from .pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
+from .quantized import QuantizedEmbedding, QuantizedLinear
 from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
@@ -24,7 +25,7 @@ from .transformer import DecoderBlock, TransformerBlock
 __all__ = [
     "Layer", "Layers", "Sequential",
     "Activation", "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation",
-    "Linear", "LinearWithWeights", "MulRows", "Embedding",
+    "Linear", "LinearWithWeights", "MulRows", "Embedding", "QuantizedLinear", "QuantizedEmbedding",
     "Flatten", "Identity", "Reshape",
     "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",

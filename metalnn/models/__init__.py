@@ -7,7 +7,8 @@
 
 Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Qwen3NextForCausalLM`` and ``Qwen3_5ForCausalLM`` (also
-the text model of a ``Qwen3_5ForConditionalGeneration`` folder).
+the text model of a ``Qwen3_5ForConditionalGeneration`` folder). Checkpoints: Hugging Face folders
+(float or MLX-quantized), GGUF files (`metalnn.models.gguf`) and Hub names (``"org/name"``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import quantization
 from ..errors import UnsupportedConfigError, WeightLoadError
-from ..weights import open_provider
-from ..tokenizer import Tokenizer, char_tokenizer, load_tokenizer
+from ..gguf_file import find_gguf
+from ..hub import MODEL_FILES, local_path
+from ..weights import DictProvider, open_provider
+from ..tokenizer import Tokenizer, char_tokenizer, gguf_eos_ids, load_tokenizer
+from . import gguf
 from .base import DTYPES, CausalLM
 from .gpt2 import GPT2LMHeadModel
 from .llama import LlamaForCausalLM, llama_config
@@ -86,41 +91,73 @@ def _as_dtype(dtype):
 
 
 def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
-    """Build the model described by ``path/config.json`` and load its safetensors weights.
+    """Build the model a checkpoint describes and load its weights.
 
     Args:
-        path: a Hugging Face folder: ``config.json`` plus ``model.safetensors`` or a sharded
-            ``model.safetensors.index.json``.
-        dtype: parameter dtype (``mx.float32``, ``"bfloat16"``, ...); default: the checkpoint's.
+        path: a Hugging Face folder (``config.json`` plus ``model.safetensors`` or a sharded
+            ``model.safetensors.index.json``; float, or MLX-quantized with a ``quantization``
+            config), a ``.gguf`` file or a folder holding one, or a Hub name ``"org/name"``
+            (config, safetensors and tokenizer files are fetched with ``huggingface_hub``).
+        dtype: float dtype of the parameters (``mx.float32``, ``"bfloat16"``, ...; quantized
+            layers keep their packed weights and take it for their scales and biases). Default:
+            the checkpoint's first floating type; float32 for GGUF files (llama.cpp keeps norms in
+            float32; the scales of Q4_0/Q4_1/Q8_0 blocks are then exact).
         strict: every parameter must be present and every tensor used (all problems are listed
             in one `WeightLoadError`).
     Returns:
-        the model, in evaluation mode (``model.train()`` before fine-tuning with dropout).
+        the model, in evaluation mode (``model.train()`` before fine-tuning with dropout). When
+        the checkpoint has a tokenizer, ``model.eos_token_ids`` holds its EOS set, which
+        `metalnn.generate` stops at by default.
     Raises:
-        UnsupportedConfigError: unknown architecture or unsupported feature.
+        UnsupportedConfigError: unknown architecture, unsupported feature or quantization.
         WeightLoadError: missing, unexpected or mis-shaped tensors, or unreadable files.
+        FileNotFoundError: no such path, and not a Hub model that can be fetched.
     """
-    path = Path(path)
-    config = read_config(path)
-    cls = model_class(config)
-    model = cls(config)
-    provider = open_provider(path)
-    if dtype is None:
+    path = local_path(path, MODEL_FILES)
+    gguf_file = find_gguf(path) if path.suffix == ".gguf" or not (path / "config.json").exists() else None
+    if gguf_file is not None:
+        checkpoint = gguf.read_checkpoint(gguf_file)
+        config, source = checkpoint.config, gguf_file
+        cls = model_class(config)
+        model = cls(config)
+        provider = DictProvider(checkpoint.tensors, str(gguf_file))
+        default_dtype = mx.float32
+    else:
+        config, source = read_config(path), path
+        cls = model_class(config)
+        model = cls(config)
+        provider = open_provider(path)
         floats = [provider.spec(k)[1] for k in provider.keys()]
         floats = [d for d in floats if mx.issubdtype(d, mx.floating)]
-        dtype = floats[0] if floats else mx.float32
-    dtype = _as_dtype(dtype)
-    if dtype != mx.float32:
+        default_dtype = floats[0] if floats else mx.float32
+    qconfig = quantization.read_config(config, str(source))
+    if qconfig is not None:
+        names = [n for n in (model.rename_weight(k) for k in provider.keys()) if n is not None]
+        quantization.prepare(model, qconfig, names, str(source))
+    dtype = _as_dtype(default_dtype if dtype is None else dtype)
+    if any(p.dtype != dtype and mx.issubdtype(p.dtype, mx.floating) for p in model.named_parameters().values()):
         model.set_dtype(dtype)
     try:
         model.load_weights_from(provider, strict=strict)
     except WeightLoadError as e:
-        raise WeightLoadError(e.missing, e.unexpected, e.mismatched, source=str(path),
-                              message=f"{cls.architecture}: " + e.message) from None
+        hint = " (the config's quantization does not fit these tensors)" if qconfig is not None and e.mismatched else ""
+        raise WeightLoadError(e.missing, e.unexpected, e.mismatched, source=str(source),
+                              message=f"{cls.architecture}: " + e.message + hint) from None
+    model.eos_token_ids = _checkpoint_eos(path, checkpoint.header if gguf_file is not None else None)
     return model.eval()
+
+
+def _checkpoint_eos(path, gguf_header) -> frozenset:
+    """The EOS set of the checkpoint's tokenizer (empty when it has none)."""
+    if gguf_header is not None:
+        return gguf_eos_ids(gguf_header.metadata)
+    try:
+        return load_tokenizer(path).eos_token_ids
+    except (FileNotFoundError, ValueError):
+        return frozenset()
 
 
 __all__ = ["ARCHITECTURES", "CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
            "Qwen3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Tokenizer", "UnsupportedConfigError",
-           "char_tokenizer", "from_config", "llama_config", "load_pretrained", "load_tokenizer", "model_class",
+           "char_tokenizer", "from_config", "gguf", "llama_config", "load_pretrained", "load_tokenizer", "model_class",
            "read_config"]

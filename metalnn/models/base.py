@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import init as initializers
+from .. import quantization
 from ..data import Data
 from ..device import Device
 from ..layer import Layer
@@ -50,6 +51,9 @@ class CausalLM(Layer):
 
     architecture = ""
     model_type = ""
+    #: token ids `metalnn.generate` stops at by default; `load_pretrained` sets them from the
+    #: checkpoint's tokenizer (empty: no default stop)
+    eos_token_ids = frozenset()
 
     def __init__(self, config: dict, seed: int = 0):
         super().__init__()
@@ -151,9 +155,14 @@ class CausalLM(Layer):
         cfg = dict(self.config)
         cfg["architectures"] = [self.architecture]
         cfg["model_type"] = self.model_type
-        params = self.named_parameters()
-        dtype = next(iter(params.values())).dtype if params else mx.float32
-        cfg["torch_dtype"] = cfg["dtype"] = dtype_name(dtype)
+        floats = [a.dtype for a in self.named_parameters().values() if mx.issubdtype(a.dtype, mx.floating)]
+        cfg["torch_dtype"] = cfg["dtype"] = dtype_name(floats[0] if floats else mx.float32)
+        cfg.pop("quantization", None)
+        cfg.pop("quantization_config", None)
+        q = quantization.config_of(self)
+        if q is not None:  # MLX's layout: both keys, same dict
+            cfg["quantization"] = q
+            cfg["quantization_config"] = dict(q)
         return cfg
 
     def save_pretrained(self, path) -> Path:

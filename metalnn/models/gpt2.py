@@ -206,12 +206,13 @@ class GPT2LMHeadModel(CausalLM):
         return name
 
     def transform_weight(self, name, array):
-        if name.endswith(_CONV1D) and array.ndim == 2:
+        # quantized (packed uint32) weights are stored in metalnn's [out, in] layout already
+        if name.endswith(_CONV1D) and array.ndim == 2 and mx.issubdtype(array.dtype, mx.floating):
             return array.T
         return array
 
     def export_weights(self):
         out = {}
         for name, a in self.named_parameters().items():
-            out[name] = a.T if name.endswith(_CONV1D) else a
+            out[name] = a.T if name.endswith(_CONV1D) and mx.issubdtype(a.dtype, mx.floating) else a
         return out

@@ -27,7 +27,9 @@ def rope_settings(config: dict, head_dim: int) -> dict:
     """RoPE keyword arguments for `SelfAttention` from a Llama config.
 
     Reads ``rope_theta`` / ``rope_scaling`` (older configs) or ``rope_parameters`` (newer ones).
-    Supports rope types ``default``, ``linear`` and ``llama3``.
+    Supports rope types ``default``, ``linear`` and ``llama3``, and ``rope_freq_factors`` (the
+    per-frequency factors GGUF files store for Llama 3's scaling: frequency ``i`` is divided by
+    factor ``i``).
     """
     params = dict(config.get("rope_parameters") or {})
     params.update(config.get("rope_scaling") or {})
@@ -36,6 +38,14 @@ def rope_settings(config: dict, head_dim: int) -> dict:
     partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     rope_dims = int(head_dim * partial)
     out = {"rope_base": theta, "rope_scale": 1.0, "rope_freqs": None, "rope_dims": rope_dims}
+    factors = config.get("rope_freq_factors")  # per-frequency divisors, as GGUF files store them
+    if factors is not None:
+        if kind != "default" or len(factors) != rope_dims // 2:
+            raise UnsupportedConfigError(f"rope_freq_factors: {len(factors)} factors for {rope_dims // 2} "
+                                         f"frequencies with rope type {kind!r} (expected the default type)")
+        exponents = np.arange(0, rope_dims, 2, dtype=np.float32) / np.float32(rope_dims)
+        out["rope_freqs"] = (np.float32(theta) ** exponents * np.asarray(factors, dtype=np.float32)).astype(np.float32)
+        return out
     if kind == "default":
         return out
     if kind == "linear":
