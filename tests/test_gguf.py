@@ -82,6 +82,18 @@ def test_gguf_llama_matches_transformers(files, name):
     np.testing.assert_array_equal(_logits(load_pretrained(folder), TOKENS[:1]), _logits(model, TOKENS[:1]))
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_gguf_qwen_models_match_transformers(files, name):
+    """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) GGUF files, end to end."""
+    folder, file = files[name]
+    hf = _hf(folder, file)
+    model = load_pretrained(folder / file)
+    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[name]
+    with torch.no_grad():
+        ref = hf(torch.tensor(TOKENS)).logits.numpy()
+    np.testing.assert_allclose(_logits(model, TOKENS), ref, atol=ATOL, rtol=ATOL)
+
+
 def test_gguf_greedy_generation_matches_transformers(files):
     folder, file = files["llama"]
     hf, model = _hf(folder, file), load_pretrained(folder / file)
