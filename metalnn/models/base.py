@@ -90,6 +90,15 @@ class CausalLM(Layer):
         return None
 
     @property
+    def context_length(self) -> int | None:
+        """The most positions the model was trained for: the hard limit of learned position
+        embeddings, else the config's ``max_position_embeddings`` (None when it does not say)."""
+        limit = self.max_positions
+        if limit is None:
+            limit = self.config.get("max_position_embeddings") or self.config.get("n_positions")
+        return int(limit) if limit else None
+
+    @property
     def eos_token_id(self):
         return self.config.get("eos_token_id")
 

@@ -1,0 +1,80 @@
+"""``metalnn chat MODEL``: a conversation in the terminal.
+
+Each answer streams as it is generated; the history goes through the chat template at every turn.
+``/reset`` starts over, ``/exit`` (or Ctrl-D) leaves, Ctrl-C stops the current answer (and, at the
+prompt, clears the line) without leaving.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .common import add_model, add_sampling, load, sampling
+
+HELP = "[/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer]\n"
+
+
+def add_parser(commands):
+    p = commands.add_parser("chat", help="chat with a model in the terminal", description=(
+        "Chat with a model through its chat template. /reset starts over, /exit or Ctrl-D leaves, "
+        "Ctrl-C stops the current answer."))
+    add_model(p)
+    p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
+    add_sampling(p, max_tokens=512)
+    p.set_defaults(run=run)
+
+
+def _stdout(text):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _stderr(text):
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def chat_loop(session, read=input, write=_stdout, status=_stderr) -> int:
+    """Talk through ``session`` (a `metalnn.chat.ChatSession`): lines from ``read(prompt)``, answers
+    to ``write``, notes and speeds to ``status``. Returns 0 at ``/exit`` or end of input."""
+    status(HELP)
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            write("\n")
+            return 0
+        except KeyboardInterrupt:
+            write("\n")
+            status("[/exit or Ctrl-D leaves]\n")
+            continue
+        line = line.strip()
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            session.reset()
+            status("[conversation cleared]\n")
+            continue
+        if line in ("/help", "/?"):
+            status(HELP)
+            continue
+        if not line:
+            continue
+        stream = session.ask(line)
+        try:
+            for piece in stream:
+                write(piece)
+        except KeyboardInterrupt:
+            stream.close()
+        write("\n")
+        note = ", stopped" if stream.finish_reason == "cancelled" else ""
+        status(f"[{stream.completion_tokens} tokens, {stream.generation_tps:.1f} tokens/s{note}]\n")
+
+
+def run(args):
+    from ..chat import ChatSession
+
+    options = sampling(args)
+    model, tok = load(args.model)
+    session = ChatSession(model, tok, system=args.system, **options)
+    return chat_loop(session)

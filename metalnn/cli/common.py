@@ -1,0 +1,87 @@
+"""What the commands share: the MODEL argument, sampling options, loading, error messages."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ..errors import MetalnnError
+
+MODEL_HELP = "a Hugging Face folder (float or MLX-quantized), a .gguf file or a Hub name org/name"
+
+
+class CommandError(Exception):
+    """A problem with what the user asked for; the command prints its message and exits with 1."""
+
+
+#: exceptions that describe a problem with the input: one line, no traceback
+EXPECTED_ERRORS = (CommandError, MetalnnError, OSError, ValueError, ImportError)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (its type name when it has none)."""
+    text = " ".join(str(error).split())
+    if isinstance(error, KeyError) and not isinstance(error, MetalnnError) and text.startswith("'"):
+        text = f"missing key {text}"
+    return text or type(error).__name__
+
+
+def add_model(parser):
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+
+
+def add_sampling(parser, max_tokens: int = 256):
+    """``--max-tokens``, ``--temperature``, ``--top-p``, ``--top-k``, ``--seed``."""
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
+                       help=f"the most tokens to generate (default {max_tokens})")
+    group.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                       help="sampling temperature; 0 (default) picks the most likely token")
+    group.add_argument("--top-p", type=float, default=None, metavar="P",
+                       help="sample among the most likely tokens whose probabilities add up to P")
+    group.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                       help="sample among the K most likely tokens")
+    group.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampling (reproducible)")
+
+
+def sampling(args) -> dict:
+    """`TextStream` keywords from the `add_sampling` options."""
+    if args.temperature < 0:
+        raise CommandError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise CommandError(f"--top-p must be in (0, 1], got {args.top_p}")
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed}
+
+
+def positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def load(path, *, tokenizer: bool = True, quiet: bool = False):
+    """``(model, tokenizer)`` of a checkpoint (tokenizer None when not asked for); says on stderr
+    what was loaded and how long it took."""
+    from ..models import load_pretrained, load_tokenizer
+
+    start = time.perf_counter()
+    model = load_pretrained(path)
+    tok = None
+    if tokenizer:
+        try:
+            tok = load_tokenizer(path)
+        except FileNotFoundError:
+            raise CommandError(f"{path}: the model has no tokenizer (tokenizer.json, or a .gguf file's "
+                               "vocabulary), so text cannot be encoded") from None
+    if not quiet:
+        sys.stderr.write(f"[{model.architecture}, {model.num_layers} layers, loaded in "
+                         f"{time.perf_counter() - start:.1f} s]\n")
+    return model, tok
+

@@ -1,0 +1,53 @@
+"""``metalnn generate MODEL --prompt TEXT``: stream a completion to stdout, speeds to stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from .common import CommandError, add_model, add_sampling, load, sampling
+
+
+def add_parser(commands):
+    p = commands.add_parser("generate", help="generate text after a prompt", description=(
+        "Generate text after a prompt (or, with --chat, the answer to it through the chat template), "
+        "streamed to stdout as it comes; prompt and generation speeds go to stderr."))
+    add_model(p)
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt ('-' reads it from stdin)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text before this string (repeatable)")
+    add_sampling(p)
+    p.set_defaults(run=run)
+
+
+def prompt_ids(tokenizer, text: str, chat: bool, system: str | None) -> list[int]:
+    if system is not None and not chat:
+        raise CommandError("--system needs --chat")
+    if not chat:
+        return tokenizer.encode(text)
+    if not tokenizer.chat_template:
+        raise CommandError("the model's tokenizer has no chat template; leave out --chat for plain completion")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def run(args, out=None, err=None):
+    from ..text_generation import TextStream
+
+    out, err = out or sys.stdout, err or sys.stderr
+    options = sampling(args)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model, tok = load(args.model)
+    ids = prompt_ids(tok, text, args.chat, args.system)
+    if not ids:
+        raise CommandError("the prompt encodes to no tokens; give a non-empty --prompt")
+    stream = TextStream(model, tok, ids, options.pop("max_tokens"), stop=args.stop, **options)
+    for piece in stream:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    ended = {"stop": "end of text", "length": "--max-tokens reached", "cancelled": "stopped"}[stream.finish_reason]
+    err.write(f"prompt: {stream.prompt_tokens} tokens, {stream.prompt_tps:.1f} tokens/s\n"
+              f"generation: {stream.completion_tokens} tokens, {stream.generation_tps:.1f} tokens/s ({ended})\n")

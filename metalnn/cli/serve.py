@@ -1,0 +1,35 @@
+"""``metalnn serve MODEL``: the OpenAI-compatible HTTP server and its chat page (`metalnn.server`)."""
+
+from __future__ import annotations
+
+from .common import add_model, positive_int
+
+
+def add_parser(commands):
+    p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API with a chat page",
+                            description=(
+        "Serve one model over HTTP: GET /v1/models, POST /v1/chat/completions and /v1/completions (streaming "
+        "or not), GET /health, and a chat page at /. Requests wait in a bounded queue and are answered one at "
+        "a time; past the queue the server answers 503."))
+    add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    p.add_argument("--model-name", metavar="NAME", help="the model's id in the API (default: the file or folder name)")
+    p.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
+                   help="requests that may wait while one is generating (default 16); more get HTTP 503")
+    p.add_argument("--max-tokens", type=positive_int, default=1024, metavar="N",
+                   help="new tokens of a request that gives no max_tokens (default 1024)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, metavar="N",
+                   help="largest request body (default 1 MiB); larger ones get HTTP 413")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="server log level (default info)")
+    p.set_defaults(run=run)
+
+
+def run(args):
+    from ..server import ServerSettings, serve
+
+    settings = ServerSettings(host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue,
+                              max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
+                              log_level=args.log_level)
+    serve(args.model, settings)

@@ -1,0 +1,92 @@
+"""Run ``metalnn serve`` in a child process for a test: bound to 127.0.0.1 on a free port, always
+stopped afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+STARTUP_TIMEOUT = 120  # seconds: loading a model on a busy 2-core machine
+
+
+class Server:
+    """A running server: ``url``, the child ``process`` and its log files."""
+
+    def __init__(self, process, url, log_dir):
+        self.process, self.url, self.log_dir = process, url, log_dir
+
+    @property
+    def api(self) -> str:
+        return self.url + "/v1"
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+
+    def wait_idle(self, timeout=30.0) -> dict:
+        """/health once nothing runs or waits (fails after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if h["running"] == 0 and h["waiting"] == 0:
+                return h
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server is still busy after {timeout} s: {h}")
+            time.sleep(0.05)
+
+    def logs(self) -> str:
+        return "".join((self.log_dir / n).read_text(errors="replace") for n in ("stdout.log", "stderr.log"))
+
+
+def _child_env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("METALNN_KERNELS", None)
+    return env
+
+
+@contextlib.contextmanager
+def running_server(model, log_dir, *args):
+    """Start ``python -m metalnn serve model --port 0 *args``; yields a `Server`; stops it at the end."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out, err = log_dir / "stdout.log", log_dir / "stderr.log"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        process = subprocess.Popen([sys.executable, "-m", "metalnn", "serve", str(model), "--host", "127.0.0.1",
+                                    "--port", "0", *args], stdout=fo, stderr=fe, env=_child_env())
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        url = None
+        while url is None:
+            found = re.search(r"at (http://127\.0\.0\.1:\d+)/ ", out.read_text())
+            if found:
+                url = found.group(1)
+            elif process.poll() is not None:
+                raise RuntimeError(f"metalnn serve exited with {process.returncode}:\n{err.read_text()}")
+            elif time.monotonic() > deadline:
+                raise RuntimeError(f"metalnn serve did not start in {STARTUP_TIMEOUT} s:\n{err.read_text()}")
+            else:
+                time.sleep(0.05)
+        server = Server(process, url, log_dir)
+        while True:  # the socket listens before the application has started; wait for it
+            try:
+                server.health()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
