@@ -16,7 +16,7 @@ CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \n"
 
 def tiny_tokenizer(chat_template: str | None = CHATML) -> Tokenizer:
     chars = mn.models.char_tokenizer(CHARACTERS)
-    chars.tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    chars.tokenizer.add_special_tokens(["<unk>", "<|im_start|>", "<|im_end|>"])  # <unk> exists: now not shown
     eos = chars.tokenizer.token_to_id("<|im_end|>")
     return Tokenizer(chars.tokenizer, eos_token_id=eos, chat_template=chat_template,
                      special_tokens={"eos_token": "<|im_end|>"})
