@@ -41,7 +41,7 @@ def local(tiny):
 
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
-    with running_server(tiny, tmp_path_factory.mktemp("logs"), "--max-queue", "8", "--max-body-bytes",
+    with running_server(tiny, tmp_path_factory.mktemp("logs"), "--max-queue", "16", "--max-body-bytes",
                         str(MAX_BODY)) as s:
         yield s
         assert "Traceback" not in s.logs(), s.logs()
@@ -288,6 +288,10 @@ def test_full_queue_answers_503_and_sigterm_stops_cleanly(tiny, tmp_path):
         running = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3000, temperature=0,
                                                  stream=True)
         next(iter(running))
+        deadline = time.monotonic() + 20
+        while server.health()["running"] == 0:  # the worker has taken it: the queue is empty again
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         waiting = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3000, temperature=0,
                                                  stream=True)
         deadline = time.monotonic() + 20
