@@ -110,10 +110,12 @@ def report(clients, results, errors, wall):
     ttft = [r["ttft"] for r in results]
     per_client = [r["tokens"] / r["seconds"] for r in results if r["seconds"] > 0]
     total = tokens / wall if wall > 0 else 0.0
-    print(f"{clients:>3} clients: {len(results):3d} answers, {len(errors)} errors, {tokens:5d} tokens in {wall:6.1f} s | "
-          f"first token median {statistics.median(ttft) if ttft else float('nan'):5.2f} s, worst "
-          f"{max(ttft) if ttft else float('nan'):5.2f} s | per client {statistics.median(per_client) if per_client else 0:6.1f} "
-          f"tokens/s | total {total:6.1f} tokens/s", flush=True)
+    nan = float("nan")
+    print(f"{clients:>3} clients: {len(results):3d} answers, {len(errors)} errors, {tokens:5d} tokens in "
+          f"{wall:6.1f} s | first token median {statistics.median(ttft) if ttft else nan:5.2f} s, worst "
+          f"{max(ttft) if ttft else nan:5.2f} s | per client "
+          f"{statistics.median(per_client) if per_client else 0:6.1f} tokens/s | total {total:6.1f} tokens/s",
+          flush=True)
     for e in errors[:3]:
         print(f"      error: {e}")
     return total
@@ -148,8 +150,8 @@ def main(argv=None):
             import openai
 
             model = openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data[0].id
-            print(f"server {url}, model {model}; {args.requests} streaming requests per client, up to {args.max_tokens} "
-                  f"new tokens, greedy; load average before: {os.getloadavg()[0]:.1f}")
+            print(f"server {url}, model {model}; {args.requests} streaming requests per client, up to "
+                  f"{args.max_tokens} new tokens, greedy; load average before: {os.getloadavg()[0]:.1f}")
             phase(url, model, 1, 1, 8, args.time_limit, args.timeout)  # warm-up (first-call compilation)
             totals = {}
             for clients in counts:
@@ -158,7 +160,8 @@ def main(argv=None):
                 totals[clients] = report(clients, results, errors, wall)
             print(f"load average after: {os.getloadavg()[0]:.1f} (the machine may be running other work)")
             if 1 in totals and max(counts) > 1 and totals[1] > 0:
-                print(f"total throughput at {max(counts)} clients / at 1 client: {totals[max(counts)] / totals[1]:.2f}x")
+                ratio = totals[max(counts)] / totals[1]
+                print(f"total throughput at {max(counts)} clients / at 1 client: {ratio:.2f}x")
         finally:
             if process is not None:
                 status = stop_server(process)

@@ -13,7 +13,8 @@ import pytest
 CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and os.path.exists(p)), None)
 CHROMEDRIVER = next((p for p in (shutil.which("chromedriver"), "/usr/bin/chromedriver") if p and os.path.exists(p)),
                     None)
-FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-default-apps", "--disable-extensions",
          "--no-first-run", "--no-default-browser-check", "--window-size=1280,800", "--force-device-scale-factor=1")
 

@@ -107,7 +107,8 @@ def test_generate_streams_the_library_text_and_reports_speeds(tiny, local):
     assert re.search(rf"prompt: {ref.prompt_tokens} tokens, [\d.]+ tokens/s", result.stderr), result.stderr
     assert re.search(r"generation: 30 tokens, [\d.]+ tokens/s \(--max-tokens reached\)", result.stderr)
     # the prompt from stdin gives the same
-    assert metalnn_cmd("generate", tiny, "--prompt", "-", "--max-tokens", "30", input="Once upon").stdout == result.stdout
+    from_stdin = metalnn_cmd("generate", tiny, "--prompt", "-", "--max-tokens", "30", input="Once upon")
+    assert from_stdin.stdout == result.stdout
 
 
 def test_generate_chat_system_and_stop(tiny, local):

@@ -130,7 +130,8 @@ def test_stop_strings_end_the_text(client, local):
     full, _ = expected_chat(local, messages, 40, temperature=0.0)
     stop = full[10:13]
     cut = full[:full.find(stop)]
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0, stop=[stop, "@@@"])
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                       stop=[stop, "@@@"])
     assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
     streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
                                               stop=stop, stream=True)

@@ -49,7 +49,8 @@ def _timings(stream) -> dict:
     """Speeds measured by the server (an extension of the OpenAI response)."""
     return {"prompt_tokens_per_second": round(stream.prompt_tps, 2),
             "generation_tokens_per_second": round(stream.generation_tps, 2),
-            "prompt_seconds": round(stream.prompt_seconds, 4), "generation_seconds": round(stream.generation_seconds, 4)}
+            "prompt_seconds": round(stream.prompt_seconds, 4),
+            "generation_seconds": round(stream.generation_seconds, 4)}
 
 
 class Generations:
