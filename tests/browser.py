@@ -26,7 +26,7 @@ needs_browser = pytest.mark.skipif(
 @contextlib.contextmanager
 def chromium(profile_dir):
     """A headless Chromium session (a Selenium WebDriver) with its profile in ``profile_dir``."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the test extra)")
+    from selenium import webdriver  # the test extra installs it
     from selenium.webdriver.chrome.service import Service
 
     os.environ["SE_OFFLINE"] = "true"  # never let Selenium fetch a browser or driver
