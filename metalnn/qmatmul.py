@@ -36,6 +36,8 @@ __all__ = ["quantized_matmul", "dequantize", "available", "unavailable_reason", 
 _ext = _native_ext.extension()
 
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+_UINT32 = mx.uint32
+_CPU = mx.DeviceType.cpu
 _GROUPS = (32, 64, 128)
 _BITS = (1, 2, 3, 4, 5, 6, 8)
 
@@ -52,21 +54,18 @@ def unavailable_reason() -> str | None:
 
 def _on_cpu(stream) -> bool:
     if stream is None:
-        device = mx.default_device()
-    elif isinstance(stream, mx.Stream):
-        device = stream.device
-    else:
-        device = stream
+        return mx.default_device().type == _CPU
+    device = stream.device if isinstance(stream, mx.Stream) else stream
     kind = device if isinstance(device, mx.DeviceType) else device.type
-    return kind == mx.DeviceType.cpu
+    return kind == _CPU
 
 
 def supports(w, scales, biases, group_size: int, bits: int, mode: str = "affine", x=None, stream=None) -> bool:
     """Whether the native primitives serve this call (else the MLX ops do)."""
-    return (_ext is not None and mode == "affine" and biases is not None and _on_cpu(stream)
-            and group_size in _GROUPS and bits in _BITS and w.ndim == 2 and w.dtype == mx.uint32
-            and scales.ndim == 2 and scales.dtype in _FLOATS and biases.dtype in _FLOATS
-            and (x is None or x.dtype in _FLOATS))
+    return (_ext is not None and mode == "affine" and biases is not None and bits in _BITS
+            and group_size in _GROUPS and w.dtype == _UINT32 and w.ndim == 2 and scales.ndim == 2
+            and scales.dtype in _FLOATS and biases.dtype in _FLOATS and (x is None or x.dtype in _FLOATS)
+            and _on_cpu(stream))
 
 
 def quantized_matmul(x, w, scales, biases=None, *, transpose: bool = True, group_size: int = 64, bits: int = 4,

@@ -121,23 +121,26 @@ class _Quantized(Layer):
 
         ``device.kernels == "reference"`` runs MLX's ops (``mx.quantized_matmul``, or
         ``mx.dequantize`` and a float product for many rows on the CPU); the other choices run
-        `metalnn.qmatmul`'s native CPU primitives where they apply (affine mode on the CPU with
-        the extension loaded), else the same MLX ops.
+        `metalnn.qmatmul` (native CPU primitives in affine mode when the extension is loaded,
+        else the same MLX ops): its product for few rows, its dequantize and a float product for
+        many rows on the CPU.
         """
         rows = x.size // max(x.shape[-1], 1)
         b = self._biases()
-        if resolve(device).kernels != "reference" and qmatmul.supports(self.weight, self.scales, b, self.group_size,
-                                                                       self.bits, self.mode, x):
-            if rows < CPU_NATIVE_ROWS:
-                return qmatmul.quantized_matmul(x, self.weight, self.scales, b, group_size=self.group_size,
-                                                bits=self.bits)
-            w = qmatmul.dequantize(self.weight, self.scales, b, group_size=self.group_size, bits=self.bits,
-                                   dtype=x.dtype if x.dtype == self.scales.dtype else mx.float32)
-            return x @ w.T
-        if rows >= CPU_DEQUANTIZE_ROWS and _on_cpu():
-            return x @ self.dequantized_weight(x.dtype).T
-        return mx.quantized_matmul(x, self.weight, self.scales, b, transpose=True,
-                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+        if resolve(device).kernels == "reference":
+            if rows >= CPU_DEQUANTIZE_ROWS and _on_cpu():
+                return x @ self.dequantized_weight(x.dtype).T
+            return mx.quantized_matmul(x, self.weight, self.scales, b, transpose=True,
+                                       group_size=self.group_size, bits=self.bits, mode=self.mode)
+        if rows < CPU_NATIVE_ROWS or not _on_cpu():
+            return qmatmul.quantized_matmul(x, self.weight, self.scales, b, group_size=self.group_size,
+                                            bits=self.bits, mode=self.mode)
+        dtype = x.dtype if x.dtype == self.scales.dtype else mx.float32  # the product's promoted dtype
+        if not mx.issubdtype(self.scales.dtype, mx.floating):  # the e8m0 / e4m3 scales of the mx/nv modes
+            dtype = x.dtype
+        w = qmatmul.dequantize(self.weight, self.scales, b, group_size=self.group_size, bits=self.bits,
+                               mode=self.mode, dtype=dtype)
+        return x @ w.T
 
 
 class QuantizedLinear(_Quantized):
