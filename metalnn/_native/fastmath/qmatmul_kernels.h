@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -133,10 +134,41 @@ inline int perm_source(int i, int bits) {
 // Scalar path (natural order)
 // ---------------------------------------------------------------------------
 
+// The B bytes at p as a little-endian integer, read with whole-register loads
+// (a byte-wise copy into a wider variable would stall the wide read after it).
+template <int B>
+inline uint64_t load_bytes(const uint8_t* p) {
+  uint64_t lo = 0, hi = 0;
+  if constexpr (B >= 4) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    lo = v;
+  } else if constexpr (B >= 2) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    lo = v;
+  } else {
+    lo = p[0];
+  }
+  constexpr int first = B >= 4 ? 4 : (B >= 2 ? 2 : 1);
+  if constexpr (B - first >= 4) {
+    uint32_t v;
+    std::memcpy(&v, p + first, 4);
+    hi = v;
+  } else if constexpr (B - first >= 2) {
+    uint16_t v;
+    std::memcpy(&v, p + first, 2);
+    hi = v;
+    if constexpr (B - first == 3) hi |= static_cast<uint64_t>(p[first + 2]) << 16;
+  } else if constexpr (B - first == 1) {
+    hi = p[first];
+  }
+  return lo | (hi << (8 * first));
+}
+
 template <int B>
 inline void decode8_scalar(const uint8_t* p, float* q) {
-  uint64_t v = 0;
-  std::memcpy(&v, p, B);
+  const uint64_t v = load_bytes<B>(p);
   constexpr uint64_t mask = (uint64_t(1) << B) - 1;
   for (int j = 0; j < 8; ++j) q[j] = static_cast<float>((v >> (j * B)) & mask);
 }
@@ -292,9 +324,7 @@ struct Decoder {
         q[f] = _mm256_cvtepi32_ps(f == Step<B>::vectors - 1 ? field : _mm256_and_si256(field, mask));
       }
     } else {
-      uint64_t bits = 0;
-      std::memcpy(&bits, p, B);
-      __m256i v = _mm256_set1_epi64x(static_cast<long long>(bits));
+      __m256i v = _mm256_set1_epi64x(static_cast<long long>(load_bytes<B>(p)));
       v = _mm256_shuffle_epi8(v, shuf);
       v = _mm256_and_si256(_mm256_srlv_epi32(v, shift), mask);
       q[0] = _mm256_cvtepi32_ps(v);
@@ -317,9 +347,7 @@ struct NaturalDecoder {
     if constexpr (B == 8) {
       return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     } else {
-      uint64_t bits = 0;
-      std::memcpy(&bits, p, B);
-      __m256i v = _mm256_set1_epi64x(static_cast<long long>(bits));
+      __m256i v = _mm256_set1_epi64x(static_cast<long long>(load_bytes<B>(p)));
       v = _mm256_shuffle_epi8(v, shuf);
       v = _mm256_and_si256(_mm256_srlv_epi32(v, shift), mask);
       return _mm256_cvtepi32_ps(v);
@@ -337,8 +365,11 @@ QMM_INLINE float bias_dot(const float* bias, const float* xsum, int64_t ng) {
   return r;
 }
 
-// out[m * out_stride] = w . x_m for MB (1..4) input rows given in kernel order.
-template <int B, int MB>
+// out[r * N + m * out_stride] = w_r . x_m for R consecutive weight rows (rows
+// `row_bytes` apart) and MB input rows given in kernel order. Several rows at
+// once share the loads of x (R > 1) or of the packed weights (MB > 1) and keep
+// independent FMA chains in flight.
+template <int B, int MB, int R>
 QMM_TARGET void dot_rows_avx2(
     const Decoder<B>& dec,
     const uint8_t* w,
@@ -352,27 +383,33 @@ QMM_TARGET void dot_rows_avx2(
     float* out,
     int64_t out_stride) {
   constexpr int V = Step<B>::vectors;
-  __m256 tot[MB];
-  for (int m = 0; m < MB; ++m) tot[m] = _mm256_setzero_ps();
-  const int64_t ng = L.groups();
+  const int64_t ng = L.groups(), rb = L.row_bytes();
   const int G = L.group;
+  __m256 tot[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) tot[r][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* wg = w + g * G * B / 8;
     const float* xg = x + g * G;
-    __m256 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
     for (int c = 0; c < G; c += Step<B>::values) {
-      __m256 q[V];
-      dec(wg + c * B / 8, q);
+      __m256 q[R][V];
+      for (int r = 0; r < R; ++r) dec(w + r * rb + (g * G + c) * B / 8, q[r]);
       for (int v = 0; v < V; ++v)
-        for (int m = 0; m < MB; ++m)
-          acc[m] = _mm256_fmadd_ps(q[v], _mm256_loadu_ps(xg + m * x_stride + c + 8 * v), acc[m]);
+        for (int m = 0; m < MB; ++m) {
+          const __m256 xv = _mm256_loadu_ps(xg + m * x_stride + c + 8 * v);
+          for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(q[r][v], xv, acc[r][m]);
+        }
     }
-    const __m256 sv = _mm256_broadcast_ss(s + g);
-    for (int m = 0; m < MB; ++m) tot[m] = _mm256_fmadd_ps(sv, acc[m], tot[m]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sv = _mm256_broadcast_ss(s + r * ng + g);
+      for (int m = 0; m < MB; ++m) tot[r][m] = _mm256_fmadd_ps(sv, acc[r][m], tot[r][m]);
+    }
   }
-  for (int m = 0; m < MB; ++m)
-    out[m * out_stride] = hsum(tot[m]) + bias_dot(bias, xsum + m * xsum_stride, ng);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m)
+      out[r + m * out_stride] = hsum(tot[r][m]) + bias_dot(bias + r * ng, xsum + m * xsum_stride, ng);
 }
 
 // acc[m][k - k0] += coef[m] * s_g * q_k over the groups [g0, g1) of one row
@@ -465,30 +502,41 @@ QMM_TARGET inline void dequantize_row_avx2<4>(
   }
 }
 
-template <int B>
-QMM_TARGET void matvec_rows_avx2(const MatvecArgs& a, int64_t r0, int64_t r1) {
+// Weight rows [r, r + R) against all input rows.
+template <int B, int R>
+QMM_TARGET void matvec_block_avx2(const Decoder<B>& dec, const MatvecArgs& a, int64_t r) {
   const Layout& L = a.L;
   const int64_t rb = L.row_bytes(), ng = L.groups(), K = L.K, N = a.N;
-  const Decoder<B> dec;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* w = a.w + r * rb;
-    const float* s = a.s + r * ng;
-    const float* b = a.b + r * ng;
-    int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4)
-      dot_rows_avx2<B, 4>(dec, w, s, b, L, a.x + m * K, K, a.xsum + m * ng, ng, a.out + m * N + r, N);
-    switch (a.M - m) {
-      case 3:
-        dot_rows_avx2<B, 3>(dec, w, s, b, L, a.x + m * K, K, a.xsum + m * ng, ng, a.out + m * N + r, N);
-        break;
-      case 2:
-        dot_rows_avx2<B, 2>(dec, w, s, b, L, a.x + m * K, K, a.xsum + m * ng, ng, a.out + m * N + r, N);
-        break;
-      case 1:
-        dot_rows_avx2<B, 1>(dec, w, s, b, L, a.x + m * K, K, a.xsum + m * ng, ng, a.out + m * N + r, N);
-        break;
-    }
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4)
+    for (int i = 0; i < R; ++i)
+      dot_rows_avx2<B, 4, 1>(dec, a.w + (r + i) * rb, a.s + (r + i) * ng, a.b + (r + i) * ng, L, a.x + m * K, K,
+                             a.xsum + m * ng, ng, a.out + m * N + r + i, N);
+  switch (a.M - m) {
+    case 3:
+      for (int i = 0; i < R; ++i)
+        dot_rows_avx2<B, 3, 1>(dec, a.w + (r + i) * rb, a.s + (r + i) * ng, a.b + (r + i) * ng, L, a.x + m * K, K,
+                               a.xsum + m * ng, ng, a.out + m * N + r + i, N);
+      break;
+    case 2:
+      for (int i = 0; i < R; ++i)
+        dot_rows_avx2<B, 2, 1>(dec, a.w + (r + i) * rb, a.s + (r + i) * ng, a.b + (r + i) * ng, L, a.x + m * K, K,
+                               a.xsum + m * ng, ng, a.out + m * N + r + i, N);
+      break;
+    case 1:  // one input row: R weight rows at once
+      dot_rows_avx2<B, 1, R>(dec, a.w + r * rb, a.s + r * ng, a.b + r * ng, L, a.x + m * K, K, a.xsum + m * ng, ng,
+                             a.out + m * N + r, N);
+      break;
   }
+}
+
+template <int B>
+QMM_TARGET void matvec_rows_avx2(const MatvecArgs& a, int64_t r0, int64_t r1) {
+  constexpr int R = 4;
+  const Decoder<B> dec;
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) matvec_block_avx2<B, R>(dec, a, r);
+  for (; r < r1; ++r) matvec_block_avx2<B, 1>(dec, a, r);
 }
 
 template <int B>
