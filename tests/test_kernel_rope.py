@@ -1,5 +1,4 @@
-"""F.rope on each implementation (emulated Metal kernel, "auto" with its CPU table form, reference)
-against mx.fast.rope.
+"""F.rope on each implementation (emulated Metal kernel, "auto", reference) against mx.fast.rope.
 
 Tolerances: `kernel_cases.TOL` per dtype (float32 1e-4: sin/cos of the emulator's libm and of
 MLX differ by a few ulps of angles up to ~4e3 rad; float16/bfloat16: a few roundings of 10/7-bit
@@ -7,7 +6,6 @@ mantissas). The backward is the inverse rotation of the cotangent, checked the s
 """
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import metalnn as mn
@@ -68,32 +66,6 @@ def test_auto_on_the_cpu_uses_cached_tables_and_mlx_for_array_offsets(monkeypatc
     y = F.rope(x, 8, offset=mx.array(2), device=mn.Device())
     assert calls == [(1, 5, 8)] and not launches
     assert mx.array_equal(y, real(x[None], 8, traditional=False, base=10000.0, scale=1.0, offset=2)[0])
-
-
-@pytest.mark.parametrize("traditional", [False, True])
-@pytest.mark.parametrize("shape,dims", [((2, 3, 1, 64), 64), ((1, 2, 1, 80), 48), ((1, 1, 1, 512), 256)])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_auto_decoding_steps_match_mlx_at_far_positions(shape, dims, traditional, dtype):
-    # One position per call (the [D, D] rotation form up to D = 256, the table form beyond), at
-    # positions that make the tables grow; with custom frequencies too.
-    freqs = mx.array(np.geomspace(1.0, 5e4, dims // 2).astype(np.float32))
-    for offset in (0, 1, 255, 256, 3000):
-        for f in (None, freqs):
-            kw = dict(traditional=traditional, base=500000.0, scale=0.25, offset=offset, freqs=f)
-            x = random(shape, dtype, offset)
-            close(F.rope(x, dims, device=mn.Device(), **kw), mlx_rope(x, dims, **kw), dtype)
-            cot = random(shape, dtype, offset + 1)
-            close(vjp(lambda v: F.rope(v, dims, device=mn.Device(), **kw), x, cot),
-                  vjp(lambda v: mlx_rope(v, dims, **kw), x, cot), dtype)
-
-
-def test_auto_prefill_then_steps_equal_one_call_over_all_positions():
-    x = random((1, 4, 12, 64), mx.float32, 3)
-    full = F.rope(x, 64, device=mn.Device())
-    parts = [F.rope(x[:, :, :9], 64, device=mn.Device())]
-    parts += [F.rope(x[:, :, t:t + 1], 64, offset=t, device=mn.Device()) for t in range(9, 12)]
-    close(mx.concatenate(parts, axis=2), full, mx.float32)
-    close(full, mlx_rope(x, 64), mx.float32)
 
 
 def test_non_contiguous_input(monkeypatch):
