@@ -145,11 +145,15 @@ void run_matvec(const mx::array& x, const mx::array& w, const mx::array& s, cons
   const bool avx2 = metalnn_qmm::use_avx2();
   const int block = metalnn_qmm::block_perm(L.bits, avx2);
 
-  std::vector<float> xin(static_cast<size_t>(M * K)), xp(static_cast<size_t>(M * K)),
-      xsum(static_cast<size_t>(M * ng));
-  gather_float(x, xin.data());
-  for (int64_t m = 0; m < M; ++m)
-    metalnn_qmm::prepare_row(xin.data() + m * K, xp.data() + m * K, xsum.data() + m * ng, L, block);
+  // One buffer: the input rows in kernel order, their group sums, and (for inputs that are not
+  // contiguous float32) a float32 copy to read them from.
+  std::vector<float> buf;
+  std::vector<float> xkeep;
+  const float* xin = float_data(x, xkeep);
+  buf.resize(static_cast<size_t>(M * K + M * ng));
+  float* xp = buf.data();
+  float* xsum = xp + M * K;
+  for (int64_t m = 0; m < M; ++m) metalnn_qmm::prepare_row(xin + m * K, xp + m * K, xsum + m * ng, L, block);
 
   std::vector<uint32_t> wkeep;
   metalnn_qmm::MatvecArgs a{};
@@ -157,8 +161,8 @@ void run_matvec(const mx::array& x, const mx::array& w, const mx::array& s, cons
   a.w = weight_data(w, wkeep);
   a.N = N;
   a.M = M;
-  a.x = xp.data();
-  a.xsum = xsum.data();
+  a.x = xp;
+  a.xsum = xsum;
   a.out = out.data<float>();
   // Scales and biases: used in place when float32 and contiguous; contiguous
   // half-precision ones are converted per chunk of rows; others gathered first.
