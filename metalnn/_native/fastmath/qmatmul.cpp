@@ -43,7 +43,7 @@ using metalnn_qmm::Layout;
 namespace {
 
 // Work (multiply-adds) below which a chunk is not worth another thread.
-constexpr int64_t kGrainWork = 1 << 16;
+constexpr int64_t kGrainWork = 1 << 18;
 
 // ---------------------------------------------------------------------------
 // Gathering inputs of any layout and float dtype into contiguous buffers
