@@ -122,6 +122,20 @@ def test_products_and_dequantize_match_numpy(path, bits, group):
     np.testing.assert_allclose(np.array(d), np.array(mx.dequantize(wq, s, b, group, bits)), rtol=DQ_RTOL, atol=DQ_ATOL)
 
 
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_products_large_enough_to_split_across_threads(path, bits):
+    # 2^18 multiply-adds or more per product are shared among the threads (rows of W for x @ W.T,
+    # column groups for g @ W, rows for dequantize); an odd number of rows.
+    wq, s, b, W = quantized(2051, 512, 64, bits, seed=bits)
+    for m in (1, 2):
+        x, g = rand((m, 512), m), rand((m, 2051), m + 10)
+        check(qm.quantized_matmul(x, wq, s, b, group_size=64, bits=bits), np.array(x, dtype=np.float64) @ W.T)
+        check(qm.quantized_matmul(g, wq, s, b, transpose=False, group_size=64, bits=bits),
+              np.array(g, dtype=np.float64) @ W, scale=4)  # sums of 2051 terms
+    np.testing.assert_allclose(np.array(qm.dequantize(wq, s, b, group_size=64, bits=bits)), W, rtol=DQ_RTOL,
+                               atol=DQ_ATOL)
+
+
 def test_matches_mlx_quantized_matmul_on_odd_shapes(path):
     # leading axes, a single output row, widths of one group
     for (n, k, group, bits, xshape) in [(1, 32, 32, 4, (2, 3, 32)), (5, 64, 64, 8, (1, 64)), (129, 128, 128, 3, (7, 128)),
