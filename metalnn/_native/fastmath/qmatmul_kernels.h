@@ -256,6 +256,9 @@ void dequantize_row_scalar(const uint8_t* w, const float* s, const float* bias, 
 #if METALNN_QMM_X86
 
 #define QMM_TARGET __attribute__((target("avx2,fma")))
+#ifndef QMM_PREFETCH_AHEAD
+#define QMM_PREFETCH_AHEAD 8
+#endif
 #define QMM_INLINE QMM_TARGET static inline __attribute__((always_inline))
 
 // Values decoded per step and the vectors they fill.
@@ -530,12 +533,29 @@ QMM_TARGET void matvec_block_avx2(const Decoder<B>& dec, const MatvecArgs& a, in
   }
 }
 
+// Asks for the bytes [p, p + n) to be brought into the cache.
+QMM_INLINE void prefetch_range(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 template <int B>
 QMM_TARGET void matvec_rows_avx2(const MatvecArgs& a, int64_t r0, int64_t r1) {
   constexpr int R = 4;
+  // Rows ahead whose packed values, scales and biases are requested while the current block
+  // computes, so that streaming the weights from memory overlaps the arithmetic.
+  constexpr int kAhead = QMM_PREFETCH_AHEAD;
+  const int64_t rb = a.L.row_bytes(), ng = a.L.groups();
   const Decoder<B> dec;
   int64_t r = r0;
-  for (; r + R <= r1; r += R) matvec_block_avx2<B, R>(dec, a, r);
+  for (; r + R <= r1; r += R) {
+    if (kAhead > 0 && r + kAhead + R <= r1) {
+      prefetch_range(a.w + (r + kAhead) * rb, R * rb);
+      prefetch_range(a.s + (r + kAhead) * ng, R * ng * 4);
+      prefetch_range(a.b + (r + kAhead) * ng, R * ng * 4);
+    }
+    matvec_block_avx2<B, R>(dec, a, r);
+  }
   for (; r < r1; ++r) matvec_block_avx2<B, 1>(dec, a, r);
 }
 
