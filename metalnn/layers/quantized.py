@@ -144,7 +144,8 @@ class _Quantized(Layer):
 
 
 class QuantizedLinear(_Quantized):
-    """``y = x @ W.T + bias`` with ``W`` stored quantized (``mx.quantized_matmul``).
+    """``y = x @ W.T + bias`` with ``W`` stored quantized (``mx.quantized_matmul``, or on the CPU
+    `metalnn.qmatmul`'s native kernels).
 
     Input dims ``(W=in_features, H, D)`` -> ``(W=out_features, H, D)``; a plain array
     ``[..., in_features]`` gives ``[..., out_features]``. Parameters: ``weight`` (uint32
@@ -231,7 +232,7 @@ class QuantizedEmbedding(_Quantized):
     """`Embedding` with the ``[num_embeddings, dims]`` table stored quantized.
 
     Looking up ids dequantizes only the rows used; `as_linear` multiplies by the table as an output
-    projection (``mx.quantized_matmul``), for tied embeddings. Layouts as `Embedding`: ids
+    projection (as `QuantizedLinear` multiplies), for tied embeddings. Layouts as `Embedding`: ids
     ``[B, T]`` give ``[B, T, dims]``.
 
     Args:
