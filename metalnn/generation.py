@@ -2,7 +2,8 @@
 
 The prompt is run once (prefill) and fills each attention layer's `KVCache` (only the last
 prompt position goes through the output projection); every later step feeds only the newest token, so a step costs one token's projections plus one pass over the cache.
-While the caller handles token ``n``, step ``n + 1`` is already queued (``mx.async_eval``).
+The graph of step ``n + 1`` is built while step ``n`` runs, and step ``n + 1`` is queued
+(``mx.async_eval``) before the caller handles token ``n``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, devic
     for n in range(max_new_tokens):
         nxt = None
         if n + 1 < max_new_tokens:
-            nxt = step(y[:, None])
+            nxt = step(y[:, None])  # the graph is built while step n runs
+            # Step n finishes before step n + 1 is queued: the caches' in-place writes of step n + 1
+            # can then take over the cache buffers (MLX decides when queuing), instead of copying
+            # every layer's whole cache each token while step n still holds them.
+            mx.eval(y)
             mx.async_eval(nxt)
         yield y
         y = nxt

@@ -90,6 +90,23 @@ def test_decoding_feeds_one_token_per_step(models):
     assert spy.lengths == [9, 1] + [1] * 7
 
 
+def test_each_step_finishes_before_the_next_is_queued(models, monkeypatch):
+    # MLX decides when a step is queued whether its in-place cache writes may take over the cache
+    # buffers; while the previous step still holds them, every layer's whole cache is copied per
+    # token. So generation builds step n + 1, waits for step n, then queues step n + 1.
+    _, model = models["llama"]
+    log = []
+    real_eval, real_async = mx.eval, mx.async_eval
+    monkeypatch.setattr(mn.generation.mx, "eval", lambda *a: (log.append(("eval", a[0])), real_eval(*a))[1])
+    monkeypatch.setattr(mn.generation.mx, "async_eval", lambda *a: (log.append(("queue", a[0])), real_async(*a))[1])
+    out = list(mn.stream_generate(model, list(range(5)), 6, eos_token_id=()))
+    assert len(out) == 6
+    kinds = [k for k, _ in log]
+    assert kinds == ["queue"] + ["eval", "queue"] * 5, kinds
+    for i in range(1, len(log), 2):  # each wait is for the step queued just before
+        assert log[i][1] is log[i - 1][1]
+
+
 def test_max_context_rebuilds_cache_from_recent_tokens(models):
     _, model = models["gpt2"]
     prompt = list(range(6))

@@ -23,13 +23,13 @@ def mlx_rope(x, dims, traditional=False, base=10000.0, scale=1.0, offset=0, freq
                         offset=offset, freqs=freqs)
 
 
-@pytest.mark.parametrize("path", ["emulate", "reference"])
+@pytest.mark.parametrize("path", ["emulate", "reference", "auto"])
 @pytest.mark.parametrize("shape,dims", CASES)
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_matches_mlx(path, shape, dims, traditional, dtype, monkeypatch):
     launches = spy_launches(monkeypatch)
-    device = emulate() if path == "emulate" else reference()
+    device = {"emulate": emulate, "reference": reference, "auto": mn.Device}[path]()
     x = random(shape, dtype, 1)
     cot = random(shape, dtype, 2)
     kw = dict(traditional=traditional, base=10000.0, scale=0.5, offset=3)
@@ -54,13 +54,16 @@ def test_offset_as_array_and_custom_freqs(path, monkeypatch):
     assert bool(launches) == (path == "emulate")
 
 
-def test_auto_is_mlx_fast_rope(monkeypatch):
+def test_auto_on_the_cpu_uses_cached_tables_and_mlx_for_array_offsets(monkeypatch):
     launches = spy_launches(monkeypatch)
     calls = []
     real = mx.fast.rope
     monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
     x = random((5, 8), mx.float32)           # 2-D: mx.fast.rope itself wants 3 axes
     y = F.rope(x, 8, offset=2, device=mn.Device())
+    assert calls == [] and not launches      # the CPU form of "auto" (metalnn.functional.rope_table)
+    close(y, real(x[None], 8, traditional=False, base=10000.0, scale=1.0, offset=2)[0], mx.float32)
+    y = F.rope(x, 8, offset=mx.array(2), device=mn.Device())
     assert calls == [(1, 5, 8)] and not launches
     assert mx.array_equal(y, real(x[None], 8, traditional=False, base=10000.0, scale=1.0, offset=2)[0])
 

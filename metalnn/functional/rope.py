@@ -7,7 +7,8 @@ import mlx.core as mx
 from ..device import resolve
 from ..kernels import rope as kernels
 from ..op_math import rope_frequencies
-from ._dispatch import emulator_options, kernel_backend
+from ._dispatch import emulator_options, kernel_backend, on_cpu
+from .rope_table import rope_cached
 
 __all__ = ["rope", "rope_reference", "rope_frequencies"]
 
@@ -56,8 +57,12 @@ def rope(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: 
     """Rotary position embedding of ``x`` ``[..., T, D]``; same semantics as ``mx.fast.rope``.
 
     Differentiable in ``x``. Implementation by ``device.kernels``: ``"reference"`` `rope_reference`;
-    ``"auto"`` ``mx.fast.rope``; ``"metal"``/``"emulate"`` the kernel of `metalnn.kernels.rope`
-    (float32/float16/bfloat16, non-empty), else ``mx.fast.rope``.
+    ``"auto"`` ``mx.fast.rope``, except on the CPU backend with an int ``offset``, where
+    `metalnn.functional.rope_table.rope_cached` stands in (cached sine/cosine tables; one ``[D, D]``
+    product per call when decoding): MLX's CPU ``mx.fast.rope`` rebuilds a ~30-op graph per call,
+    which made up about a fifth of a SmolLM2 decode step (``python scripts/bench_generate.py``,
+    2-core x86_64, shared machine); ``"metal"``/``"emulate"`` the kernel of `metalnn.kernels.rope`
+    (float32/float16/bfloat16, non-empty), else ``"auto"``.
     """
     device = resolve(device)
     if x.ndim < 2:
@@ -69,4 +74,7 @@ def rope(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: 
     backend = kernel_backend(device)
     if backend and kernels.supports(x, dims):
         return kernels.rope(x, dims, traditional, base, scale, offset, freqs, backend, emulator_options(device))
+    if (on_cpu() and isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0
+            and mx.issubdtype(x.dtype, mx.floating)):
+        return rope_cached(x, dims, traditional, base, scale, offset, freqs)
     return _rope_mlx(x, dims, traditional, base, scale, offset, freqs)

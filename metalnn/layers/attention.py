@@ -76,12 +76,16 @@ class KVCache:
 
 
 def split_heads(x, b, t, n, hd):
-    """``[B, T, n*hd]`` -> ``[B, n, T, hd]``."""
+    """``[B, T, n*hd]`` -> ``[B, n, T, hd]`` (one position: a reshape, no transpose op)."""
+    if t == 1:
+        return x.reshape(b, n, 1, hd)
     return x.reshape(b, t, n, hd).transpose(0, 2, 1, 3)
 
 
 def merge_heads(o, b, t):
-    """``[B, n, T, hd]`` -> ``[B, T, n*hd]``."""
+    """``[B, n, T, hd]`` -> ``[B, T, n*hd]`` (one position: a reshape, no transpose op)."""
+    if t == 1:
+        return o.reshape(b, 1, -1)
     return o.transpose(0, 2, 1, 3).reshape(b, t, -1)
 
 

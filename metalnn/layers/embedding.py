@@ -54,8 +54,9 @@ class Embedding(Layer):
     def from_data(self, out, x):
         return out.array.reshape(*x.shape, self.dims)
 
-    def as_linear(self, x):
-        """``x @ weight.T``: use the table as an output projection (tied embeddings)."""
+    def as_linear(self, x, *, device=None):
+        """``x @ weight.T``: use the table as an output projection (tied embeddings). ``device`` is
+        accepted for symmetry with `QuantizedEmbedding.as_linear` (a float product has one form)."""
         return x @ self.weight.T
 
     def _extra_repr(self):

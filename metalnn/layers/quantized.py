@@ -4,8 +4,10 @@ A quantized weight is stored as MLX stores it (``mx.quantize``): ``weight`` hold
 into ``uint32`` words (``[out, in * bits / 32]``), ``scales`` (and, in ``"affine"`` mode, ``biases``)
 hold one float per group of ``group_size`` consecutive inputs (``[out, in / group_size]``). The
 affine value of an element is ``scales * q + biases``. The products run on
-``mx.quantized_matmul`` and lookups on ``mx.dequantize``; the parameters are frozen (gradients
-still flow to the input, so adapters can be trained on top of a quantized model).
+``mx.quantized_matmul`` (on the CPU, affine mode: metalnn's native kernels of `metalnn.qmatmul`,
+unless the device asks for the ``"reference"`` kernels) and lookups on ``mx.dequantize``; the
+parameters are frozen (gradients still flow to the input, so adapters can be trained on top of a
+quantized model).
 
 Parameter names are the float layers' plus ``scales`` / ``biases``, so MLX-quantized checkpoints
 (``q_proj.weight``, ``q_proj.scales``, ``q_proj.biases``) load by name.
@@ -18,7 +20,9 @@ import math
 import mlx.core as mx
 
 from .. import init as initializers
+from .. import qmatmul
 from ..data import Data, MTLSize
+from ..device import resolve
 from ..layer import Layer, no_positional
 from .linear import float_dtype
 
@@ -47,10 +51,16 @@ def quant_settings(group_size=None, bits=None, mode="affine", where="quantize"):
     return int(group_size), int(bits), mode
 
 
-#: rows from which a product on the CPU dequantizes the weight once and multiplies in float: MLX's
-#: CPU ``quantized_matmul`` unpacks the whole weight again for every row, so a prompt of T tokens
-#: would cost T unpackings (measured: one unpacking costs about as much as 4 rows)
+#: rows from which a product on the CPU dequantizes the weight once and multiplies in float (BLAS):
+#: MLX's CPU ``quantized_matmul`` unpacks the whole weight again for every row, so a prompt of T
+#: tokens would cost T unpackings (measured: one unpacking costs about as much as 4 rows)
 CPU_DEQUANTIZE_ROWS = 6
+
+#: with metalnn's native kernels (`metalnn.qmatmul`, the ``"auto"`` kernels on the CPU), fewer rows
+#: than this run the native quantized product; more rows dequantize natively and multiply in float.
+#: ``python scripts/bench_generate.py --rows`` measured the crossover at 8-16 rows for SmolLM2's
+#: shapes (2-core x86_64, shared machine)
+CPU_NATIVE_ROWS = 12
 
 
 def _on_cpu() -> bool:
@@ -106,16 +116,36 @@ class _Quantized(Layer):
         if width % self.group_size:
             raise ValueError(f"{self._describe()}: {what} {width} is not a multiple of group_size {self.group_size}")
 
-    def _qmatmul(self, x):
-        """``x @ W.T`` for ``x`` ``[..., width]``."""
-        if x.size >= CPU_DEQUANTIZE_ROWS * x.shape[-1] and _on_cpu():
-            return x @ self.dequantized_weight(x.dtype).T
-        return mx.quantized_matmul(x, self.weight, self.scales, self._biases(), transpose=True,
-                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+    def _qmatmul(self, x, device=None):
+        """``x @ W.T`` for ``x`` ``[..., width]``.
+
+        ``device.kernels == "reference"`` runs MLX's ops (``mx.quantized_matmul``, or
+        ``mx.dequantize`` and a float product for many rows on the CPU); the other choices run
+        `metalnn.qmatmul` (native CPU primitives in affine mode when the extension is loaded,
+        else the same MLX ops): its product for few rows, its dequantize and a float product for
+        many rows on the CPU.
+        """
+        rows = x.size // max(x.shape[-1], 1)
+        b = self._biases()
+        if resolve(device).kernels == "reference":
+            if rows >= CPU_DEQUANTIZE_ROWS and _on_cpu():
+                return x @ self.dequantized_weight(x.dtype).T
+            return mx.quantized_matmul(x, self.weight, self.scales, b, transpose=True,
+                                       group_size=self.group_size, bits=self.bits, mode=self.mode)
+        if rows < CPU_NATIVE_ROWS or not _on_cpu():
+            return qmatmul.quantized_matmul(x, self.weight, self.scales, b, group_size=self.group_size,
+                                            bits=self.bits, mode=self.mode)
+        dtype = x.dtype if x.dtype == self.scales.dtype else mx.float32  # the product's promoted dtype
+        if not mx.issubdtype(self.scales.dtype, mx.floating):  # the e8m0 / e4m3 scales of the mx/nv modes
+            dtype = x.dtype
+        w = qmatmul.dequantize(self.weight, self.scales, b, group_size=self.group_size, bits=self.bits,
+                               mode=self.mode, dtype=dtype)
+        return x @ w.T
 
 
 class QuantizedLinear(_Quantized):
-    """``y = x @ W.T + bias`` with ``W`` stored quantized (``mx.quantized_matmul``).
+    """``y = x @ W.T + bias`` with ``W`` stored quantized (``mx.quantized_matmul``, or on the CPU
+    `metalnn.qmatmul`'s native kernels).
 
     Input dims ``(W=in_features, H, D)`` -> ``(W=out_features, H, D)``; a plain array
     ``[..., in_features]`` gives ``[..., out_features]``. Parameters: ``weight`` (uint32
@@ -169,7 +199,7 @@ class QuantizedLinear(_Quantized):
         self._create(dims.W, self._dtype or float_dtype(dtype), device.next_key)
 
     def forward(self, device, data):
-        y = self._qmatmul(data.array)
+        y = self._qmatmul(data.array, device)
         if self.use_bias:
             y = y + self.bias
         d = data.dims
@@ -202,7 +232,7 @@ class QuantizedEmbedding(_Quantized):
     """`Embedding` with the ``[num_embeddings, dims]`` table stored quantized.
 
     Looking up ids dequantizes only the rows used; `as_linear` multiplies by the table as an output
-    projection (``mx.quantized_matmul``), for tied embeddings. Layouts as `Embedding`: ids
+    projection (as `QuantizedLinear` multiplies), for tied embeddings. Layouts as `Embedding`: ids
     ``[B, T]`` give ``[B, T, dims]``.
 
     Args:
@@ -248,9 +278,10 @@ class QuantizedEmbedding(_Quantized):
     def from_data(self, out, x):
         return out.array.reshape(*x.shape, self.dims)
 
-    def as_linear(self, x):
-        """``x @ table.T`` ``[..., dims] -> [..., num_embeddings]`` (tied output projection)."""
-        return self._qmatmul(x)
+    def as_linear(self, x, *, device=None):
+        """``x @ table.T`` ``[..., dims] -> [..., num_embeddings]`` (tied output projection); ``device``
+        selects the kernels as in `QuantizedLinear`."""
+        return self._qmatmul(x, device)
 
     @classmethod
     def from_embedding(cls, embedding, *, group_size: int | None = None, bits: int | None = None,

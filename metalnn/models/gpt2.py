@@ -193,7 +193,7 @@ class GPT2LMHeadModel(CausalLM):
         self._check_positions(cache, t)
         h = self.compile_child("transformer", self.transformer, device, Data(ids), cache=cache)
         if self.tie_word_embeddings:
-            return Data(self.transformer.wte.as_linear(h.array), MTLSize(self.vocab_size, t, b))
+            return Data(self.transformer.wte.as_linear(h.array, device=device), MTLSize(self.vocab_size, t, b))
         return self.compile_child("lm_head", self.lm_head, device, h)
 
     def rename_weight(self, name):

@@ -176,7 +176,7 @@ class LlamaForCausalLM(CausalLM):
         self._check_positions(cache, t)
         h = self.compile_child("model", self.model, device, Data(ids), cache=cache)
         if self.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h.array)
+            logits = self.model.embed_tokens.as_linear(h.array, device=device)
             return Data(logits, MTLSize(self.vocab_size, t, b))
         return self.compile_child("lm_head", self.lm_head, device, h)
 
