@@ -119,7 +119,7 @@ def main(argv=None):
                          grad_checkpoint=args.grad_checkpoint, progress=not args.no_progress, group=group)
     source = data.batches(args.batch_size, max_length=args.max_length, seed=args.seed)
     t0 = time.perf_counter()
-    trainer.fit(source, args.steps, desc="QLoRA")
+    trainer.fit(source, args.steps, items_per_batch=lambda batch: batch[0].size, desc="QLoRA")  # tokens/s
     seconds = time.perf_counter() - t0
     losses = trainer.history["loss"]
     say(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps ({seconds:.0f} s)")
