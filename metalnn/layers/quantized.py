@@ -13,6 +13,7 @@ Parameter names are the float layers' plus ``scales`` / ``biases``, so MLX-quant
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -70,6 +71,33 @@ def _dequantize(w, scales, biases, group_size, bits, mode, dtype=None):
     return mx.dequantize(w, scales, biases, group_size, bits, mode=mode, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _dequantized_product(group_size, bits, mode, has_biases):
+    """``f(x, weight, scales[, biases]) = x @ dequantize(weight).T`` whose backward dequantizes the
+    weight again instead of keeping the forward's float copy: training through quantized layers
+    then holds only their packed weights between the passes, not a float model's worth
+    (``mx.depends`` on the cotangent keeps ``mx.compile`` from merging the two dequantizations).
+    Gradients: the input's, and the scales' / biases' (computed only when asked for)."""
+
+    def weight(packed, dtype):
+        return _dequantize(packed[0], packed[1], packed[2] if has_biases else None, group_size, bits, mode, dtype)
+
+    @mx.custom_function
+    def product(x, *packed):
+        return x @ weight(packed, x.dtype).T
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        x, *packed = primals
+        later = mx.depends(list(packed), [cotangent])
+        dx = cotangent @ weight(later, cotangent.dtype)
+        dw = cotangent.reshape(-1, cotangent.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        _, (d_scales, *d_biases) = mx.vjp(lambda *sb: [weight((later[0], *sb), dw.dtype)], list(later[1:]), [dw])
+        return (dx, mx.zeros_like(packed[0]), d_scales, *d_biases)
+
+    return product
+
+
 class _Quantized(Layer):
     """What the quantized layers share: settings, packed sizes and freezing."""
 
@@ -106,10 +134,16 @@ class _Quantized(Layer):
         if width % self.group_size:
             raise ValueError(f"{self._describe()}: {what} {width} is not a multiple of group_size {self.group_size}")
 
-    def _qmatmul(self, x):
-        """``x @ W.T`` for ``x`` ``[..., width]``."""
+    def _qmatmul(self, x, recompute: bool = True):
+        """``x @ W.T`` for ``x`` ``[..., width]``. On the CPU with many rows the weight is
+        dequantized; ``recompute``: again in the backward pass (`_dequantized_product`) rather
+        than kept from the forward."""
         if x.size >= CPU_DEQUANTIZE_ROWS * x.shape[-1] and _on_cpu():
-            return x @ self.dequantized_weight(x.dtype).T
+            if not recompute:
+                return x @ self.dequantized_weight(x.dtype).T
+            b = self._biases()
+            product = _dequantized_product(self.group_size, self.bits, self.mode, b is not None)
+            return product(x, self.weight, self.scales, *([] if b is None else [b]))
         return mx.quantized_matmul(x, self.weight, self.scales, self._biases(), transpose=True,
                                    group_size=self.group_size, bits=self.bits, mode=self.mode)
 
@@ -249,8 +283,12 @@ class QuantizedEmbedding(_Quantized):
         return out.array.reshape(*x.shape, self.dims)
 
     def as_linear(self, x):
-        """``x @ table.T`` ``[..., dims] -> [..., num_embeddings]`` (tied output projection)."""
-        return self._qmatmul(x)
+        """``x @ table.T`` ``[..., dims] -> [..., num_embeddings]`` (tied output projection).
+
+        The float table is kept for the backward pass rather than recomputed: the logits feed
+        the loss directly, so the forward's copy is still alive when the backward starts
+        (recomputing it would hold two)."""
+        return self._qmatmul(x, recompute=False)
 
     @classmethod
     def from_embedding(cls, embedding, *, group_size: int | None = None, bits: int | None = None,
