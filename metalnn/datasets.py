@@ -67,23 +67,34 @@ def _chat_example(tokenizer, messages, mask_prompt, where):
                                f"got {m!r}"[:300])
     if not _has_template(tokenizer):
         raise DatasetError(f"{where}: a 'messages' example needs a tokenizer with a chat template")
-    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+    def render(msgs, generation_prompt):
+        return list(_render(tokenizer, msgs, generation_prompt, where))
+
+    ids = render(messages, False)
     if not mask_prompt:
         return Example(tuple(ids), (True,) * len(ids))
     trained = [False] * len(ids)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = list(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True)) if i else []
-        through = list(tokenizer.apply_chat_template(messages[:i + 1], add_generation_prompt=False))
+        before, through = render(messages[:i], True), render(messages[:i + 1], False)
         if through != ids[:len(through)] or before != through[:len(before)]:
-            raise DatasetError(f"{where}: the chat template does not render the conversation's prefixes as "
-                               "prefixes, so the assistant tokens cannot be found; use mask_prompt=False")
+            raise DatasetError(f"{where}: the tokens of the conversation up to assistant message {i} are not a "
+                               "prefix of the conversation's tokens (the chat template renders a shorter "
+                               "conversation differently, or the tokens merge across the turn boundary), so "
+                               "the assistant tokens cannot be found; use mask_prompt=False")
         for k in range(len(before), len(through)):
             trained[k] = True
     if not any(trained):
         raise DatasetError(f"{where}: no assistant message, so nothing to train on (or use mask_prompt=False)")
     return Example(tuple(ids), tuple(trained))
+
+
+def _render(tokenizer, messages, add_generation_prompt, where):
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # a template's own error (raise_exception, undefined fields)
+        raise DatasetError(f"{where}: the chat template failed on this conversation: {e}") from e
 
 
 def _completion_example(tokenizer, prompt, completion, mask_prompt, where):
@@ -111,10 +122,13 @@ def _text_example(tokenizer, text, where):
 
 
 def _eos(tokenizer):
+    """The id appended to texts and completions: the tokenizer's ``eos_token_id``, else the
+    smallest of its ``eos_token_ids``, else None."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        return int(eos)
     ids = getattr(tokenizer, "eos_token_ids", None)
-    if ids:
-        return min(ids) if isinstance(ids, (set, frozenset)) else list(ids)[0]
-    return getattr(tokenizer, "eos_token_id", None)
+    return min(int(i) for i in ids) if ids else None
 
 
 def tokenize(tokenizer, record: dict, mask_prompt: bool = True, where: str = "example") -> Example:
@@ -155,10 +169,21 @@ class TextDataset:
         """A data source ``f(step) -> (inputs, targets)`` for `metalnn.Trainer.fit`.
 
         Padded (default): examples are sorted by length and cut into batches of ``batch_size``, so a
-        batch pads little; every epoch visits all batches in an order drawn from ``(seed, epoch)``.
-        Examples longer than ``max_length + 1`` tokens are cut. Packed: the examples (in an order
-        drawn per epoch) are laid end to end and cut into rows of ``max_length + 1`` tokens.
+        batch pads little (with ``pad_id``, after the tokens); when ``batch_size`` does not divide
+        the number of examples, the last batch holds the ``batch_size`` longest ones (overlapping
+        the batch before it). Every epoch visits all batches in an order drawn from ``(seed,
+        epoch)``; ``T`` is the longest example of the batch less one. Examples longer than
+        ``max_length + 1`` tokens are cut.
+
+        Packed: the examples (in an order drawn from ``(seed, epoch)``) are laid end to end and cut
+        into rows of ``max_length + 1`` tokens (``T = max_length``, no padding; tokens that do not
+        fill a last row are left out of that epoch). Attention is not cut at the joins: a token
+        may attend to the end of the example before it, as in Hugging Face's packed language
+        modelling.
+
         ``inputs`` are ``[B, T]``, ``targets`` the next tokens with `IGNORE` where no loss is taken.
+        The batch of step ``s`` depends only on ``s`` (and the arguments), so a resumed run sees
+        the batches an uninterrupted one would.
         """
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"batches: batch_size and max_length must be positive, got {batch_size}, {max_length}")
@@ -184,10 +209,15 @@ class _PaddedSource:
         order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
         self.examples, self.batch_size, self.max_length, self.seed, self.pad_id = (
             examples, batch_size, max_length, seed, pad_id)
-        self.groups = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        self.groups = [g for g in self.groups if len(g) == batch_size] or self.groups
-        if len(self.groups[0]) < batch_size:
+        if len(order) < batch_size:
             raise ValueError(f"batches: {len(examples)} examples are fewer than one batch of {batch_size}")
+        # consecutive runs of the length order; the last batch is the longest batch_size examples
+        # (overlapping the one before it when the count does not divide), so every example is
+        # visited each epoch and every batch has batch_size rows
+        starts = list(range(0, len(order) - batch_size + 1, batch_size))
+        if starts[-1] + batch_size < len(order):
+            starts.append(len(order) - batch_size)
+        self.groups = [order[i:i + batch_size] for i in starts]
 
     def __call__(self, step):
         epoch, i = divmod(int(step), len(self.groups))

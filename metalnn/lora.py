@@ -32,6 +32,8 @@ from .errors import WeightLoadError
 from .layer import Layer
 from .layers.dropout import Dropout
 from .layers.linear import Linear
+from .layers.quantized import QuantizedLinear
+from .quantization import QUANTIZED
 from .weights import load_safetensors, save_safetensors
 
 PEFT_PREFIX = "base_model.model."
@@ -51,29 +53,29 @@ class LoRASettings:
 
 
 def _is_quantized(layer) -> bool:
-    return "scales" in layer and hasattr(layer, "bits") and hasattr(layer, "group_size")
+    return isinstance(layer, QuantizedLinear)
 
 
 def _in_out(layer):
-    """(in_features, out_features) of a Linear or a quantized linear layer."""
+    """(in_features, out_features) of a `Linear` or a `QuantizedLinear` (its logical width)."""
     if _is_quantized(layer):
-        out_features = layer.weight.shape[0]
-        in_features = layer.weight.shape[1] * 32 // layer.bits
-        return in_features, out_features
+        return layer.in_features, layer.out_features
     return layer.weight.shape[1], layer.weight.shape[0]
 
 
 def _dense_weight(layer):
-    """The layer's weight as a float ``[out, in]`` matrix (dequantized for a quantized layer)."""
+    """The layer's weight as a float ``[out, in]`` matrix: a quantized layer's dequantized in float32
+    (``scales * q + biases`` exactly), a float layer's as it is."""
     if _is_quantized(layer):
-        return mx.dequantize(layer.weight, layer.scales, layer.get("biases"), group_size=layer.group_size,
-                             bits=layer.bits, **_mode_kw(layer))
+        return layer.dequantized_weight(mx.float32)
     return layer.weight
 
 
-def _mode_kw(layer):
-    mode = getattr(layer, "mode", None)
-    return {"mode": mode} if mode not in (None, "affine") else {}
+def _adapter_dtype(layer):
+    """float32 over half-precision bases (as PEFT's ``autocast_adapter_dtype``: half-precision
+    adapters train poorly), else the base's dtype."""
+    dtype = layer.dtype if _is_quantized(layer) else layer.weight.dtype
+    return mx.float32 if dtype in (mx.float16, mx.bfloat16) else dtype
 
 
 class LoRALinear(Layer):
@@ -94,7 +96,7 @@ class LoRALinear(Layer):
             raise ValueError(f"LoRALinear: the base layer {type(base_layer).__name__} has no weight yet (build "
                              "the model before applying LoRA)")
         in_features, out_features = _in_out(base_layer)
-        dtype = base_layer.scales.dtype if _is_quantized(base_layer) else base_layer.weight.dtype
+        dtype = _adapter_dtype(base_layer)
         self.base_layer = base_layer
         self.rank, self.alpha = int(rank), float(alpha)
         self.scale = self.alpha / self.rank
@@ -111,10 +113,10 @@ class LoRALinear(Layer):
         return Data(y.array + self.scale * update.astype(y.array.dtype), y.dims)
 
     def merged_weight(self):
-        """``W + scale * B @ A`` in float (the base dequantized if it is quantized)."""
+        """``W + scale * B @ A`` ``[out, in]`` in float32 (a quantized base dequantized first)."""
         w = _dense_weight(self.base_layer)
         delta = (self.lora_B.weight.astype(mx.float32) @ self.lora_A.weight.astype(mx.float32)) * self.scale
-        return (w.astype(mx.float32) + delta).astype(w.dtype)
+        return w.astype(mx.float32) + delta
 
     def _extra_repr(self):
         return f"rank={self.rank}, alpha={self.alpha}"
@@ -319,31 +321,41 @@ def apply_paths(model, paths, rank, alpha, dropout):
 def fuse(model, dequantize: bool = False) -> list:
     """Merge every adapter into its base weight and remove the adapter layers.
 
-    A quantized base is dequantized, merged and re-quantized with its own settings (group size,
-    bits, mode), or kept in float when ``dequantize=True``. The model's parameters are left
-    trainable again (as before `apply`). Returns the fused module paths.
+    A float base gets ``W + (alpha / r) * B @ A`` (computed in float32, stored in ``W``'s dtype).
+    A `QuantizedLinear` base is dequantized, merged and re-quantized with its own group size, bits
+    and mode (scales in their own dtype): each weight then moves by at most half a quantization
+    step of its group, as in the first quantization. With ``dequantize=True`` it becomes a float
+    `Linear` holding the merged weight in the layer's float dtype instead (float32 scales give
+    ``scales * q + biases + (alpha / r) * B @ A`` exactly). The model's float parameters are left
+    trainable again (as before `apply`; quantized layers stay frozen). Returns the fused module
+    paths.
     """
     found = adapters(model)
     for path, m in found.items():
         base = m.base_layer
         merged = m.merged_weight()
-        if _is_quantized(base) and not dequantize:
-            q = mx.quantize(merged, group_size=base.group_size, bits=base.bits, **_mode_kw(base))
-            base.weight, base.scales = q[0], q[1]
-            if len(q) > 2 and q[2] is not None:
-                base.biases = q[2]
-            new = base
-        elif _is_quantized(base):
-            in_features, out_features = _in_out(base)
-            new = Linear(out_features, in_features=in_features, bias="bias" in base, dtype=merged.dtype)
-            new.weight = merged
-            if "bias" in base:
-                new.bias = base.bias
+        if _is_quantized(base):
+            merged = merged.astype(base.dtype)
+            if dequantize:
+                in_features, out_features = _in_out(base)
+                new = Linear(out_features, in_features=in_features, bias="bias" in base, dtype=merged.dtype)
+                new.weight = merged
+                if "bias" in base:
+                    new.bias = base.bias
+            else:
+                q = mx.quantize(merged, group_size=base.group_size, bits=base.bits, mode=base.mode)
+                base.weight, base.scales = q[0], q[1].astype(base.scales.dtype)
+                if len(q) > 2 and q[2] is not None:
+                    base.biases = q[2].astype(base.biases.dtype)
+                new = base
         else:
-            base.weight = merged
+            base.weight = merged.astype(base.weight.dtype)
             new = base
         _set_module(model, path, new)
     model.unfreeze()
+    for _, m in model.named_modules():
+        if isinstance(m, QUANTIZED):
+            m.freeze()  # packed weights have no gradient
     model.lora_settings = None
     mx.eval(model.parameters())
     return sorted(found)

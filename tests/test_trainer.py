@@ -109,3 +109,13 @@ def test_eval_callback_and_keep_checkpoints(tmp_path):
     assert seen == [5, 10, 12]
     assert [m["step"] for m in tr.history["eval"]] == [5, 10, 12]
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_0000010", "step_0000012"]
+
+
+def test_items_per_batch_may_count_each_batch():
+    """A function of the batch counts varying items (tokens of batches of varying length): it sees
+    every step's batch once."""
+    model, device = make()
+    seen = []
+    trainer = mn.Trainer(model, optim.Adam(1e-2), loss_fn, device, progress=False)
+    trainer.fit(data, 3, items_per_batch=lambda batch: seen.append(batch[0]) or batch[0].size)
+    assert len(seen) == 3 and all(np.array_equal(np.array(a), np.array(data(i)[0])) for i, a in enumerate(seen))

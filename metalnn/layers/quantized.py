@@ -15,6 +15,7 @@ Parameter names are the float layers' plus ``scales`` / ``biases``, so MLX-quant
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -80,6 +81,41 @@ def _dequantize(w, scales, biases, group_size, bits, mode, dtype=None):
     return mx.dequantize(w, scales, biases, group_size, bits, mode=mode, dtype=dtype)
 
 
+def _dequantize_native(w, scales, biases, group_size, bits, mode, dtype):
+    """`_dequantize` on `metalnn.qmatmul` (native on the CPU in affine mode, else MLX's op)."""
+    return qmatmul.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantized_product(group_size, bits, mode, has_biases, dtype, native):
+    """``f(x, weight, scales[, biases]) = x @ dequantize(weight, dtype).T`` whose backward dequantizes
+    the weight again instead of keeping the forward's float copy: training through quantized layers
+    then holds only their packed weights between the passes, not a float model's worth
+    (``mx.depends`` on the cotangent keeps ``mx.compile`` from merging the two dequantizations).
+    Gradients: the input's, and the scales' / biases' (computed only when asked for). ``native``:
+    dequantize with `metalnn.qmatmul` rather than ``mx.dequantize``."""
+    dequantize = _dequantize_native if native else _dequantize
+
+    def weight(packed):
+        return dequantize(packed[0], packed[1], packed[2] if has_biases else None, group_size, bits, mode, dtype)
+
+    @mx.custom_function
+    def product(x, *packed):
+        return x @ weight(packed).T
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        x, *packed = primals
+        later = mx.depends(list(packed), [cotangent])
+        dx = (cotangent @ weight(later)).astype(x.dtype)
+        dw = cotangent.reshape(-1, cotangent.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        _, (d_scales, *d_biases) = mx.vjp(lambda *sb: [weight((later[0], *sb))], list(later[1:]),
+                                          [dw.astype(dtype)])
+        return (dx, mx.zeros_like(packed[0]), d_scales, *d_biases)
+
+    return product
+
+
 class _Quantized(Layer):
     """What the quantized layers share: settings, packed sizes and freezing."""
 
@@ -116,31 +152,33 @@ class _Quantized(Layer):
         if width % self.group_size:
             raise ValueError(f"{self._describe()}: {what} {width} is not a multiple of group_size {self.group_size}")
 
-    def _qmatmul(self, x, device=None):
+    def _qmatmul(self, x, device=None, recompute: bool = True):
         """``x @ W.T`` for ``x`` ``[..., width]``.
 
         ``device.kernels == "reference"`` runs MLX's ops (``mx.quantized_matmul``, or
         ``mx.dequantize`` and a float product for many rows on the CPU); the other choices run
         `metalnn.qmatmul` (native CPU primitives in affine mode when the extension is loaded,
         else the same MLX ops): its product for few rows, its dequantize and a float product for
-        many rows on the CPU.
+        many rows on the CPU. ``recompute``: a dequantized weight is dequantized again in the
+        backward pass (`_dequantized_product`) rather than kept from the forward.
         """
         rows = x.size // max(x.shape[-1], 1)
         b = self._biases()
-        if resolve(device).kernels == "reference":
-            if rows >= CPU_DEQUANTIZE_ROWS and _on_cpu():
-                return x @ self.dequantized_weight(x.dtype).T
-            return mx.quantized_matmul(x, self.weight, self.scales, b, transpose=True,
-                                       group_size=self.group_size, bits=self.bits, mode=self.mode)
-        if rows < CPU_NATIVE_ROWS or not _on_cpu():
+        reference = resolve(device).kernels == "reference"
+        if not _on_cpu() or rows < (CPU_DEQUANTIZE_ROWS if reference else CPU_NATIVE_ROWS):
+            if reference:
+                return mx.quantized_matmul(x, self.weight, self.scales, b, transpose=True,
+                                           group_size=self.group_size, bits=self.bits, mode=self.mode)
             return qmatmul.quantized_matmul(x, self.weight, self.scales, b, group_size=self.group_size,
                                             bits=self.bits, mode=self.mode)
         dtype = x.dtype if x.dtype == self.scales.dtype else mx.float32  # the product's promoted dtype
         if not mx.issubdtype(self.scales.dtype, mx.floating):  # the e8m0 / e4m3 scales of the mx/nv modes
             dtype = x.dtype
-        w = qmatmul.dequantize(self.weight, self.scales, b, group_size=self.group_size, bits=self.bits,
-                               mode=self.mode, dtype=dtype)
-        return x @ w.T
+        if not recompute:
+            dequantize = _dequantize if reference else _dequantize_native
+            return x @ dequantize(self.weight, self.scales, b, self.group_size, self.bits, self.mode, dtype).T
+        product = _dequantized_product(self.group_size, self.bits, self.mode, b is not None, dtype, not reference)
+        return product(x, self.weight, self.scales, *([] if b is None else [b]))
 
 
 class QuantizedLinear(_Quantized):
@@ -280,8 +318,12 @@ class QuantizedEmbedding(_Quantized):
 
     def as_linear(self, x, *, device=None):
         """``x @ table.T`` ``[..., dims] -> [..., num_embeddings]`` (tied output projection); ``device``
-        selects the kernels as in `QuantizedLinear`."""
-        return self._qmatmul(x, device)
+        selects the kernels as in `QuantizedLinear`.
+
+        The float table is kept for the backward pass rather than recomputed: the logits feed
+        the loss directly, so the forward's copy is still alive when the backward starts
+        (recomputing it would hold two)."""
+        return self._qmatmul(x, device, recompute=False)
 
     @classmethod
     def from_embedding(cls, embedding, *, group_size: int | None = None, bits: int | None = None,
