@@ -13,20 +13,24 @@ import argparse
 import statistics
 import time
 
-import metalnn  # noqa: F401
-import mlx.core as mx
+import mlx.core as mx  # first, as users do (metalnn's startup hook gives MLX OpenBLAS anyway)
+import metalnn
 import numpy as np
 
 
-def _timeit(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
+def _timeit(fns, reps, warmup=3):
+    """Median and min seconds of each function, the runs interleaved (one of each per round), so
+    that load from other processes on a shared machine hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def main(argv=None):
@@ -78,15 +82,15 @@ def main(argv=None):
     flops = 2 * n * o * c * k * k * out_shape[2] * out_shape[3]
     print(f"conv2d x[{n},{c},{s},{s}] w[{o},{c},{k},{k}] stride {args.stride} pad {args.padding} "
           f"(torch threads {torch.get_num_threads()}, {flops / 1e9:.2f} GFLOP forward)")
-    results = {}
-    for name, fn in [("metalnn fwd", fwd), ("torch fwd", t_fwd), ("metalnn fwd+bwd", fwd_bwd),
-                     ("torch fwd+bwd", t_fwd_bwd)]:
-        med, best = _timeit(fn, args.reps)
-        results[name] = med
+    timings = _timeit({"metalnn fwd": fwd, "torch fwd": t_fwd, "metalnn fwd+bwd": fwd_bwd,
+                       "torch fwd+bwd": t_fwd_bwd}, args.reps)
+    for name, (med, best) in timings.items():
         print(f"  {name:18s} median {med * 1e3:8.2f} ms   min {best * 1e3:8.2f} ms")
+    results = {}
     for what in ("fwd", "fwd+bwd"):
-        ratio = results[f"torch {what}"] / results[f"metalnn {what}"]
-        print(f"  speed ratio {what:8s} metalnn/torch = {ratio:.2f}x")
+        (tm, tb), (mm, mb) = timings[f"torch {what}"], timings[f"metalnn {what}"]
+        results[what] = tm / mm
+        print(f"  speed ratio {what:8s} metalnn/torch = {tm / mm:.2f}x (median)   {tb / mb:.2f}x (min)")
     return results
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import metalnn as mn
 from metalnn import functional as F
+from metalnn import fused
 from metalnn.kernels import rope as rope_kernels
 
 from kernel_cases import ROPE_CASES as CASES, close, emulate, random, reference, spy_launches
@@ -23,13 +24,13 @@ def mlx_rope(x, dims, traditional=False, base=10000.0, scale=1.0, offset=0, freq
                         offset=offset, freqs=freqs)
 
 
-@pytest.mark.parametrize("path", ["emulate", "reference"])
+@pytest.mark.parametrize("path", ["emulate", "reference", "auto"])
 @pytest.mark.parametrize("shape,dims", CASES)
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_matches_mlx(path, shape, dims, traditional, dtype, monkeypatch):
     launches = spy_launches(monkeypatch)
-    device = emulate() if path == "emulate" else reference()
+    device = {"emulate": emulate, "reference": reference, "auto": mn.Device}[path]()
     x = random(shape, dtype, 1)
     cot = random(shape, dtype, 2)
     kw = dict(traditional=traditional, base=10000.0, scale=0.5, offset=3)
@@ -54,22 +55,32 @@ def test_offset_as_array_and_custom_freqs(path, monkeypatch):
     assert bool(launches) == (path == "emulate")
 
 
-def test_auto_is_mlx_fast_rope(monkeypatch):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_auto_is_mlx_fast_rope_or_the_fused_cpu_op(dtype, monkeypatch):
+    """"auto" is mx.fast.rope (bit for bit), except for float32 on the CPU backend with the native
+    extension: metalnn.fused.rope (checked against torch in test_fused.py), equal to mx.fast.rope
+    within float32 rounding."""
     launches = spy_launches(monkeypatch)
     calls = []
     real = mx.fast.rope
     monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
-    x = random((5, 8), mx.float32)           # 2-D: mx.fast.rope itself wants 3 axes
+    x = random((5, 8), dtype)           # 2-D: mx.fast.rope itself wants 3 axes
     y = F.rope(x, 8, offset=2, device=mn.Device())
-    assert calls == [(1, 5, 8)] and not launches
-    assert mx.array_equal(y, real(x[None], 8, traditional=False, base=10000.0, scale=1.0, offset=2)[0])
+    want = real(x[None], 8, traditional=False, base=10000.0, scale=1.0, offset=2)[0]
+    assert not launches
+    if dtype == mx.float32 and fused.available() and mx.default_device() == mx.cpu:
+        assert not calls
+        close(y, want, dtype)
+    else:
+        assert calls == [(1, 5, 8)]
+        assert mx.array_equal(y, want)
 
 
 def test_non_contiguous_input(monkeypatch):
     launches = spy_launches(monkeypatch)
     base = random((8, 6, 4), mx.float32)
     x = base.transpose(2, 1, 0)  # (4, 6, 8), not row-contiguous
-    for device in (emulate("reversed"), reference()):
+    for device in (emulate("reversed"), reference(), mn.Device()):
         close(F.rope(x, 8, offset=2, device=device), mlx_rope(x, 8, offset=2), mx.float32)
     assert [launch.options["lane_order"] for launch in launches] == ["reversed"]
 

@@ -23,6 +23,7 @@
 
 #include "im2col.h"
 #include "kernels.h"
+#include "train_ops.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -802,6 +803,7 @@ NB_MODULE(_fastmath, m) {
     return metalnn_fastmath::force_scalar_flag();
   });
   register_im2col(m);
+  register_train_ops(m);
   m.attr("mlx_version") = METALNN_MLX_VERSION;
   m.attr("build_tag") = metalnn_fastmath_build_tag;
 }
