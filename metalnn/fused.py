@@ -14,7 +14,15 @@ each forward pass, and each backward pass, in one multi-threaded, vectorised swe
   ``logsumexp(x) - (1 - ls) x[t] - ls mean(x)``;
 * ``scaled_softmax(x, scale, causal=, q_len=, offset=)``: ``softmax(x * scale)`` over the last
   axis, optionally causal (row ``r`` is query ``i = r % q_len``, which keeps keys
-  ``j <= i + offset``; masked entries are exactly 0).
+  ``j <= i + offset``; masked entries are exactly 0);
+* ``contiguous(x)``: a row-contiguous copy (MLX copies on one thread);
+* ``adamw_update(param, grad, m, v, lr, step, ...)``: one step of ``mlx.optimizers.AdamW``'s
+  update (used by `metalnn.optimizers.AdamW`).
+
+Layouts: `rope` and `contiguous` read any strided input, and their backward passes store the
+gradient in the memory order of that input when it is dense (e.g. the transposed view of split
+attention heads), so the transpose back and the reshape the caller's graph applies to the
+gradient need no copy.
 
 They are ordinary MLX ops: ``mx.grad``, ``mx.vjp``, ``mx.jvp``, ``mx.vmap`` and ``mx.compile``
 work on them (JVPs, vmap and second derivatives go through the ops' definitions in plain MLX
@@ -30,7 +38,7 @@ import mlx.core as mx
 from . import _native_ext
 
 __all__ = ["available", "unavailable_reason", "rms_norm", "rope", "gated", "cross_entropy", "scaled_softmax",
-           "GATED_ACTIVATIONS"]
+           "contiguous", "adamw_update", "GATED_ACTIVATIONS"]
 
 #: activations `gated` fuses (names of `metalnn.functional.activations`)
 GATED_ACTIVATIONS = ("silu", "gelu_tanh", "sigmoid", "tanh")
@@ -139,3 +147,36 @@ def scaled_softmax(x, scale: float, *, causal: bool = False, q_len: int = 1, off
         return _scaled_softmax_mlx(x, scale, causal, q_len, offset)
     return _ext.scaled_softmax(x, float(scale), causal=bool(causal), q_len=int(q_len), offset=int(offset),
                                stream=stream)
+
+
+def contiguous(x, *, stream=None):
+    """A row-contiguous copy of ``x`` (any dtype); its gradient takes ``x``'s memory order."""
+    if _ext is None:
+        return mx.contiguous(x)
+    return _ext.contiguous(x, stream=stream)
+
+
+def _adamw_mlx(param, grad, m, v, lr, step, b1, b2, eps, weight_decay, bias_correction):
+    lr = mx.array(lr).astype(grad.dtype)
+    p1 = param * (1 - lr * weight_decay)
+    m = b1 * m + (1 - b1) * grad
+    v = b2 * v + (1 - b2) * mx.square(grad)
+    if bias_correction:
+        c1 = (lr / (1 - b1 ** step)).astype(grad.dtype)
+        c2 = mx.rsqrt(1 - b2 ** step).astype(grad.dtype)
+        return p1 - c1 * m / (mx.sqrt(v) * c2 + eps), m, v
+    return p1 - lr * m / (mx.sqrt(v) + eps), m, v
+
+
+def adamw_update(param, grad, m, v, lr, step, *, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, bias_correction: bool = False, stream=None):
+    """One AdamW step as ``mlx.optimizers.AdamW`` computes it; returns ``(param, m, v)``.
+
+    ``lr`` and ``step`` (the step count, for the bias correction) are scalars or 0-d arrays.
+    """
+    b1, b2 = (float(b) for b in betas)
+    if _ext is None:
+        return _adamw_mlx(param, grad, m, v, lr, step, b1, b2, eps, weight_decay, bias_correction)
+    return _ext.adamw_update(param, grad, m, v, mx.array(lr), mx.array(step), b1=b1, b2=b2, eps=float(eps),
+                             weight_decay=float(weight_decay), bias_correction=bool(bias_correction),
+                             stream=stream)

@@ -7,7 +7,8 @@ step on [batch 8, T 256] tokens per iteration. Shapes (``--shape``):
 * ``gqa``: vocab 256, width 384, 4 layers, 6 query heads sharing 2 key/value heads (3:1,
   head_dim 64), SwiGLU 1024.
 
-* metalnn: `metalnn.models.LlamaForCausalLM` trained by `metalnn.Trainer` (compiled step);
+* metalnn: `metalnn.models.LlamaForCausalLM` trained by `metalnn.Trainer` (compiled step) with
+  `metalnn.optimizers.AdamW` (mlx's AdamW with a fused CPU update);
 * PyTorch: ``transformers.LlamaForCausalLM`` (SDPA attention), eager, ``torch.optim.AdamW``;
 * mlx.nn: the model written directly with ``mlx.nn`` layers, ``nn.value_and_grad`` and
   ``mlx.optimizers.AdamW`` in an ``mx.compile``-d step (as MLX's own examples do).
@@ -72,7 +73,7 @@ def bench_metalnn():
         x, y = batch
         return mn.losses.cross_entropy(model.compile(device, mn.Data(x)).array, y)
 
-    trainer = mn.Trainer(model, optim.AdamW(1e-3), loss_fn, device=device, progress=False)
+    trainer = mn.Trainer(model, mn.optimizers.AdamW(1e-3), loss_fn, device=device, progress=False)
     return lambda b: trainer.step((mx.array(b[:, :-1]), mx.array(b[:, 1:])))
 
 

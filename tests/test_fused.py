@@ -220,6 +220,30 @@ def test_rope_reads_transposed_views(path):
         assert "Contiguous" not in primitives(y) and "Copy" not in primitives(y)
 
 
+def test_layout_aware_gradients_through_split_heads(path):
+    """rope and contiguous on the transposed view of split heads, then the heads merged back: the
+    gradient in the un-split input (which the primitives store in that input's memory order)."""
+    base = _rand((2, 11, 3, 16), seed=17)  # [B, T, H, D]
+    cot = _rand((2, 11, 48), seed=18)
+
+    def fn(b):
+        h = b.transpose(0, 2, 1, 3)  # [B, H, T, D] view
+        q = fu.rope(h, 16, offset=2)
+        v = fu.contiguous(h)
+        o = fu.contiguous((q * v).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        return o.transpose(0, 2, 1, 3).reshape(2, 11, 48)
+
+    def tfn(b):
+        h = b.permute(0, 2, 1, 3)
+        return (t_rope(h, 16, False, 10000.0, 1.0, 2) * h).permute(0, 2, 1, 3).reshape(2, 11, 48)
+
+    y, (g,) = _value_and_grads(fn, [base], cot, (0,))
+    ty, (tg,) = _torch_grads(tfn, [base], cot)
+    _close(y, ty, atol=ROPE_ATOL)
+    _close(g, tg, GRAD_RTOL, ROPE_ATOL)
+    _expect(path, lambda: _value_and_grads(fn, [base], cot, (0,))[1], {"MetalnnRoPE", "MetalnnLayoutCopy"})
+
+
 # ----------------------------------------------------------------------------- gated
 
 
@@ -418,3 +442,53 @@ def test_attention_auto_matches_torch_with_gqa(rep):
     _close(F.attention(q, k, v, device=mn.Device()), ty)
     for g, tg in zip(grads, tgrads):
         _close(g, tg, GRAD_RTOL, GRAD_ATOL)
+
+
+# ----------------------------------------------------------------------------- AdamW
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_update_matches_torch(weight_decay, path):
+    """With bias correction, mlx's AdamW formula is torch.optim.AdamW's: five steps agree."""
+    rng = np.random.default_rng(40)
+    p0 = rng.standard_normal((7, 33)).astype(np.float32)
+    grads = [rng.standard_normal((7, 33)).astype(np.float32) for _ in range(5)]
+    tp = torch.tensor(p0.astype(np.float64), requires_grad=True)
+    topt = torch.optim.AdamW([tp], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)
+    p, m, v = mx.array(p0), mx.zeros((7, 33)), mx.zeros((7, 33))
+    for t, g in enumerate(grads, 1):
+        tp.grad = torch.tensor(g.astype(np.float64))
+        topt.step()
+        p, m, v = fu.adamw_update(p, mx.array(g), m, v, 0.05, t, betas=(0.8, 0.95), eps=1e-6,
+                                  weight_decay=weight_decay, bias_correction=True)
+    # five float32 steps of size ~lr: a few ulps of the parameters each
+    _close(p, tp, 1e-5, 1e-6)
+    _expect(path, lambda: fu.adamw_update(p, mx.array(grads[0]), m, v, 0.05, 6, bias_correction=True),
+            {"MetalnnAdamW"})
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_adamw_optimizer_is_mlx_adamw(bias_correction, path):
+    """metalnn.optimizers.AdamW gives mlx.optimizers.AdamW's parameters and state (same keys)."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten, tree_map
+
+    mx.random.seed(3)
+    a = nn.Sequential(nn.Linear(9, 16), nn.Linear(16, 4))
+    b = nn.Sequential(nn.Linear(9, 16), nn.Linear(16, 4))
+    b.update(tree_map(lambda x: x, a.parameters()))
+    oa = optim.AdamW(0.02, bias_correction=bias_correction)
+    ob = mn.optimizers.AdamW(0.02, bias_correction=bias_correction)
+    loss = lambda m, x: (m(x) ** 2).mean()  # noqa: E731
+    for i in range(4):
+        x = _rand((5, 9), seed=50 + i)
+        oa.update(a, nn.value_and_grad(a, loss)(a, x)[1])
+        ob.update(b, nn.value_and_grad(b, loss)(b, x)[1])
+    for (ka, va), (kb, vb) in zip(tree_flatten(a.parameters()), tree_flatten(b.parameters())):
+        assert ka == kb
+        _close(vb, np.array(va), 1e-5, 1e-6, what=ka)
+    sa, sb = dict(tree_flatten(oa.state)), dict(tree_flatten(ob.state))
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        _close(sb[k], np.array(sa[k]), 1e-5, 1e-6, what=k)

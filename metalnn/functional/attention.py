@@ -86,13 +86,20 @@ def _attention_fused(q, k, v, scale, causal):
     MLX's CPU attention evaluates ``exp`` one element at a time; here the scale, the causal mask
     and the softmax are one multi-threaded pass (and one backward pass) over the scores. GQA
     without copies: query heads are grouped as ``[B, Hkv, rep*Tq, D]`` against ``[B, Hkv, Tk, D]``.
+
+    Layouts: ``v`` (typically the transposed view of split heads) is made row-contiguous by
+    `metalnn.fused.contiguous`, whose gradient comes back in ``v``'s own memory order; the
+    output is stored position-major (``[B, Tq, Hq, D]`` in memory, returned as the
+    ``[B, Hq, Tq, D]`` view), so merging the heads back is free and the gradient of the output
+    reaches the two matrix products row-contiguous.
     """
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     rep = Hq // Hkv
     s = q.reshape(B, Hkv, rep * Tq, D) @ k.swapaxes(-1, -2)
     p = fused.scaled_softmax(s, scale, causal=causal, q_len=Tq, offset=Tk - Tq)
-    return (p @ v).reshape(B, Hq, Tq, v.shape[-1])
+    o = (p @ fused.contiguous(v)).reshape(B, Hq, Tq, v.shape[-1])
+    return fused.contiguous(o.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
 def _attention_mlx(q, k, v, scale, causal, mask, offset):

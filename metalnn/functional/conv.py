@@ -193,7 +193,7 @@ def conv_nd(n, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, 
     elif not on_cpu() and mlx_conv_supports(n, groups):
         y = conv_mlx(x, weight, stride, padding, dilation, groups)
     else:
-        y = conv_cpu(x, weight, stride, padding, dilation, groups, out)
+        return conv_cpu(x, weight, bias, stride, padding, dilation, groups, out)
     return _add_bias(y, bias, n)
 
 
@@ -216,7 +216,7 @@ def conv_transpose_nd(n, x, weight, bias=None, stride=1, padding=0, output_paddi
     elif not on_cpu() and mlx_conv_supports(n, groups, padding, output_padding):
         y = conv_transpose_mlx(x, weight, *args)
     else:
-        y = conv_transpose_cpu(x, weight, *args, out)
+        return conv_transpose_cpu(x, weight, bias, *args, out)
     return _add_bias(y, bias, n)
 
 

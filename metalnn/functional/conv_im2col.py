@@ -115,8 +115,19 @@ def conv_transpose_reference(x, weight, stride, padding, output_padding, dilatio
 # ----------------------------------------------------------------------------------------------
 # CPU path: native im2col / col2im + GEMM, MLX autodiff
 # ----------------------------------------------------------------------------------------------
-def conv_cpu(x, weight, stride, padding, dilation, groups, out):
-    """``y [N, O, *out]`` of ``x [N, C, *S]`` and ``weight [O, C/G, *k]``: ``W @ im2col(x)``.
+def _add_bias(y, bias):
+    """``y [N, O, L] + bias[O]`` as ``y + bias[:, None] @ ones[1, L]``: the same sum, but the bias
+    gradient becomes a sum over N of ``[O, L]`` rows and a matrix-vector product, about 2x faster
+    on the CPU than MLX's reduction of the broadcast over the N and L axes."""
+    if bias is None:
+        return y
+    ones = mx.ones((1, y.shape[-1]), dtype=y.dtype)
+    return y + bias.astype(y.dtype)[:, None] @ ones
+
+
+def conv_cpu(x, weight, bias, stride, padding, dilation, groups, out):
+    """``y [N, O, *out]`` of ``x [N, C, *S]``, ``weight [O, C/G, *k]`` and ``bias [O]`` (or None):
+    ``W @ im2col(x) + bias``.
 
     The backward (MLX autodiff) is two GEMMs and one `col2im` (the VJP of `im2col`).
     """
@@ -129,11 +140,12 @@ def conv_cpu(x, weight, stride, padding, dilation, groups, out):
     else:
         cols = cols.reshape(n, groups, -1, cols.shape[-1])
         y = weight.reshape(groups, o // groups, -1) @ cols
-    return y.reshape(n, o, *out)
+    return _add_bias(y.reshape(n, o, -1), bias).reshape(n, o, *out)
 
 
-def conv_transpose_cpu(x, weight, stride, padding, output_padding, dilation, groups, out):
-    """``y [N, O, *out]`` of ``x [N, C, *S]`` and ``weight [C, O/G, *k]``: ``col2im(W^T @ x)``.
+def conv_transpose_cpu(x, weight, bias, stride, padding, output_padding, dilation, groups, out):
+    """``y [N, O, *out]`` of ``x [N, C, *S]``, ``weight [C, O/G, *k]`` and ``bias [O]`` (or None):
+    ``col2im(W^T @ x) + bias``.
 
     No zero insertion: the product's columns are the input positions and `col2im` scatters
     each one to its window of the output (``out`` includes ``output_padding``). When
@@ -153,4 +165,5 @@ def conv_transpose_cpu(x, weight, stride, padding, output_padding, dilation, gro
     else:
         cols = wt @ x.reshape(n, groups, c // groups, -1)
     cols = cols.reshape(n, og * groups * K, -1)  # [N, O*K, L_in]
-    return col2im(cols, out, kernel, stride=stride, padding=padding, dilation=dilation)
+    y = col2im(cols, out, kernel, stride=stride, padding=padding, dilation=dilation)
+    return _add_bias(y.reshape(n, og * groups, -1), bias).reshape(y.shape)

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <sstream>
@@ -47,6 +48,42 @@ size_t grain_rows(int64_t row_len) {
 
 void alloc(mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
+}
+
+// Whether `strides` lay `shape` out densely: a permutation of a row-major layout (no gaps, no
+// broadcast axes), e.g. the transposed view of split attention heads.
+bool dense_permutation(const mx::Shape& shape, const mx::Strides& strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (size_t i = 0; i < shape.size(); ++i)
+    if (shape[i] > 1) dims.emplace_back(strides[i], shape[i]);
+  std::sort(dims.begin(), dims.end());
+  int64_t expect = 1;
+  for (auto [st, n] : dims) {
+    if (st != expect) return false;
+    expect *= n;
+  }
+  return true;
+}
+
+// Allocates `out` in the memory order of `like` when that is dense and of the same shape (so a
+// transpose the caller applies next is row-contiguous, with no copy), else row-major.
+void alloc_like(mx::array& out, const mx::array& like) {
+  if (like.shape() == out.shape() && like.itemsize() == out.itemsize() && like.data_size() == like.size() &&
+      dense_permutation(like.shape(), like.strides())) {
+    out.set_data(mx::allocator::malloc(out.nbytes()), out.size(), like.strides(), like.flags());
+  } else {
+    alloc(out);
+  }
+}
+
+// Element offsets of row r (all axes but the last, row-major order) under `strides`.
+inline int64_t row_offset(size_t r, const mx::Shape& shape, const mx::Strides& strides) {
+  int64_t off = 0, rem = static_cast<int64_t>(r);
+  for (int d = static_cast<int>(shape.size()) - 2; d >= 0; --d) {
+    off += (rem % shape[d]) * strides[d];
+    rem /= shape[d];
+  }
+  return off;
 }
 
 // ---------------------------------------------------------------------------
@@ -406,43 +443,40 @@ mx::array rope_mlx(const mx::array& x, const RopeSpec& sp, mx::Stream s) {
   return out;
 }
 
-mx::array rope_op(const mx::array& x, const RopeSpec& sp, mx::Stream s);
+mx::array rope_op(const mx::array& x, const RopeSpec& sp, mx::Stream s,
+                  const std::optional<mx::array>& layout = std::nullopt);
 
 template <bool AVX>
-void rope_rows(const float* src, const mx::Shape& shape, const mx::Strides& strides, float* dst, const float* cs,
-               const float* sn, int64_t T, int64_t half, size_t r0, size_t r1, bool trad, float* buf);
+void rope_rows(const mx::array& x, mx::array& out, const float* cs, const float* sn, int64_t T, int64_t half,
+               size_t r0, size_t r1, bool trad, float* buf);
 
-#define METALNN_ROPE_ROWS_BODY                                                              \
-  const int nd = static_cast<int>(shape.size());                                            \
-  const int64_t D = shape[nd - 1];                                                          \
-  const int64_t sd = strides[nd - 1];                                                       \
-  for (size_t r = r0; r < r1; ++r) {                                                        \
-    int64_t off = 0, rem = static_cast<int64_t>(r);                                         \
-    for (int d = nd - 2; d >= 0; --d) {                                                     \
-      off += (rem % shape[d]) * strides[d];                                                 \
-      rem /= shape[d];                                                                      \
-    }                                                                                       \
-    const int64_t t = static_cast<int64_t>(r) % T;                                          \
-    const float* row = src + off;                                                           \
-    if (sd != 1) {                                                                          \
-      for (int64_t i = 0; i < D; ++i) buf[i] = row[i * sd];                                 \
-      row = buf;                                                                            \
-    }                                                                                       \
-    metalnn_train::rope_row_body(row, dst + r * D, cs + t * half, sn + t * half, half, D, trad); \
+#define METALNN_ROPE_ROWS_BODY                                                                    \
+  const mx::Shape& shape = x.shape();                                                             \
+  const int64_t D = shape.back();                                                                 \
+  const int64_t sx = x.strides().back();                                                          \
+  const float* src = x.data<float>();                                                             \
+  float* dst = out.data<float>();                                                                 \
+  for (size_t r = r0; r < r1; ++r) {                                                              \
+    const int64_t t = static_cast<int64_t>(r) % T;                                                \
+    const float* row = src + row_offset(r, shape, x.strides());                                   \
+    if (sx != 1) {                                                                                \
+      for (int64_t i = 0; i < D; ++i) buf[i] = row[i * sx];                                       \
+      row = buf;                                                                                  \
+    }                                                                                             \
+    float* orow = dst + row_offset(r, shape, out.strides());                                      \
+    metalnn_train::rope_row_body(row, orow, cs + t * half, sn + t * half, half, D, trad);         \
   }
 
 template <>
-void rope_rows<false>(const float* src, const mx::Shape& shape, const mx::Strides& strides, float* dst,
-                      const float* cs, const float* sn, int64_t T, int64_t half, size_t r0, size_t r1, bool trad,
-                      float* buf) {
+void rope_rows<false>(const mx::array& x, mx::array& out, const float* cs, const float* sn, int64_t T,
+                      int64_t half, size_t r0, size_t r1, bool trad, float* buf) {
   METALNN_ROPE_ROWS_BODY
 }
 
 #if METALNN_FM_X86
 template <>
-FM_TARGET void rope_rows<true>(const float* src, const mx::Shape& shape, const mx::Strides& strides, float* dst,
-                               const float* cs, const float* sn, int64_t T, int64_t half, size_t r0, size_t r1,
-                               bool trad, float* buf) {
+FM_TARGET void rope_rows<true>(const mx::array& x, mx::array& out, const float* cs, const float* sn, int64_t T,
+                               int64_t half, size_t r0, size_t r1, bool trad, float* buf) {
   METALNN_ROPE_ROWS_BODY
 }
 #endif
@@ -453,11 +487,17 @@ class Rope : public NativeOp {
   Rope(mx::Stream s, RopeSpec sp)
       : NativeOp(s, [sp, s](const Arrays& in) { return Arrays{rope_mlx(in[0], sp, s)}; }, 1), sp_(std::move(sp)) {}
 
+  // inputs: x, and optionally an array whose (dense) memory order the output takes: the
+  // backward pass writes the gradient in the layout of the forward input, so that the caller's
+  // split-heads transpose of it is row-contiguous again.
   void eval_cpu(const Arrays& inputs, Arrays& outputs) override {
     auto& out = outputs[0];
-    alloc(out);
+    if (inputs.size() > 1 && inputs[1].strides().back() == 1)
+      alloc_like(out, inputs[1]);
+    else
+      alloc(out);
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(inputs[0]);
+    for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), out = mx::array::unsafe_weak_copy(out),
                   sp = sp_]() mutable {
@@ -474,29 +514,30 @@ class Rope : public NativeOp {
         }
       }
       const size_t rows = x.size() / D;
-      const float* src = x.data<float>();
-      float* dst = out.data<float>();
-      const mx::Shape shape = x.shape();
-      const mx::Strides strides = x.strides();
       const bool v = avx2();
       metalnn_native::parallel_for(rows, grain_rows(D), [&](size_t r0, size_t r1) {
         std::vector<float> buf(D);
-        v ? rope_rows<true>(src, shape, strides, dst, cs.data(), sn.data(), T, half, r0, r1, sp.traditional,
-                            buf.data())
-          : rope_rows<false>(src, shape, strides, dst, cs.data(), sn.data(), T, half, r0, r1, sp.traditional,
-                             buf.data());
+        v ? rope_rows<true>(x, out, cs.data(), sn.data(), T, half, r0, r1, sp.traditional, buf.data())
+          : rope_rows<false>(x, out, cs.data(), sn.data(), T, half, r0, r1, sp.traditional, buf.data());
       });
     });
   }
 
-  Arrays vjp(const Arrays&, const Arrays& cotangents, const std::vector<int>&, const Arrays&) override {
+  // (The optional layout input only decides where values are stored: its gradient is zero.)
+  Arrays vjp(const Arrays& primals, const Arrays& cotangents, const std::vector<int>& argnums,
+             const Arrays&) override {
     RopeSpec inv = sp_;
     inv.inverse = !inv.inverse;
-    return {rope_op(cotangents[0], inv, stream())};
+    Arrays res;
+    for (int i : argnums)
+      res.push_back(i == 0 ? rope_op(cotangents[0], inv, stream(), primals[0]) : mx::zeros_like(primals[i], stream()));
+    return res;
   }
 
-  Arrays jvp(const Arrays&, const Arrays& tangents, const std::vector<int>&) override {
-    return {rope_op(tangents[0], sp_, stream())};
+  Arrays jvp(const Arrays& primals, const Arrays& tangents, const std::vector<int>& argnums) override {
+    for (size_t j = 0; j < argnums.size(); ++j)
+      if (argnums[j] == 0) return {rope_op(tangents[j], sp_, stream())};
+    return {mx::zeros(primals[0].shape(), mx::float32, stream())};
   }
 
   const char* name() const override {
@@ -514,12 +555,14 @@ class Rope : public NativeOp {
   RopeSpec sp_;
 };
 
-mx::array rope_op(const mx::array& x, const RopeSpec& sp, mx::Stream s) {
+mx::array rope_op(const mx::array& x, const RopeSpec& sp, mx::Stream s, const std::optional<mx::array>& layout) {
   require(x.ndim() >= 2, "[rope] x must be [..., T, D]");
   require(sp.dims > 0 && sp.dims % 2 == 0 && sp.dims <= x.shape(-1), "[rope] dims must be even and <= D");
   if (!native_stream(s) || x.dtype() != mx::float32) return rope_mlx(x, sp, s);
   // The kernel reads any strided layout (e.g. the transposed view of split heads).
-  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, sp), {x});
+  Arrays in = {x};
+  if (layout && layout->shape() == x.shape()) in.push_back(*layout);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, sp), in);
 }
 
 // ===========================================================================
@@ -1121,6 +1164,242 @@ mx::array scaled_softmax_vjp_op(const mx::array& y, const mx::array& g, const So
                    {rowc(y, s), rowc(f32(g, s), s)});
 }
 
+// ===========================================================================
+// Layout copy: the values of x in row-major order (or in the dense order of a
+// second input), multi-threaded; the VJP stores the cotangent in x's own order.
+// ===========================================================================
+
+mx::array layout_copy_op(const mx::array& x, mx::Stream s, const std::optional<mx::array>& like = std::nullopt);
+
+class LayoutCopy : public NativeOp {
+ public:
+  explicit LayoutCopy(mx::Stream s)
+      : NativeOp(s, [s](const Arrays& in) { return Arrays{mx::copy(in[0], s)}; }, 1) {}
+
+  void eval_cpu(const Arrays& inputs, Arrays& outputs) override {
+    auto& out = outputs[0];
+    if (inputs.size() > 1)
+      alloc_like(out, inputs[1]);
+    else
+      alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), out = mx::array::unsafe_weak_copy(out)]() mutable {
+      if (x.size() == 0) return;
+      const mx::Shape& shape = x.shape();
+      const int64_t n = x.ndim() ? shape.back() : 1;
+      const int64_t sx = x.ndim() ? x.strides().back() : 1, so = out.ndim() ? out.strides().back() : 1;
+      const size_t rows = x.size() / n, item = x.itemsize();
+      const char* src = static_cast<const char*>(x.data<void>());
+      char* dst = static_cast<char*>(out.data<void>());
+      metalnn_native::parallel_for(rows, grain_rows(n), [&](size_t r0, size_t r1) {
+        for (size_t r = r0; r < r1; ++r) {
+          const char* a = src + (x.ndim() > 1 ? row_offset(r, shape, x.strides()) : 0) * item;
+          char* b = dst + (out.ndim() > 1 ? row_offset(r, shape, out.strides()) : 0) * item;
+          if (sx == 1 && so == 1) {
+            std::memcpy(b, a, n * item);
+          } else {
+            for (int64_t i = 0; i < n; ++i) std::memcpy(b + i * so * item, a + i * sx * item, item);
+          }
+        }
+      });
+    });
+  }
+
+  // The optional layout input only decides where values are stored: its gradient is zero.
+  Arrays vjp(const Arrays& primals, const Arrays& cotangents, const std::vector<int>& argnums,
+             const Arrays&) override {
+    Arrays res;
+    for (int i : argnums)
+      res.push_back(i == 0 ? layout_copy_op(cotangents[0], stream(), primals[0]) : mx::zeros_like(primals[i], stream()));
+    return res;
+  }
+
+  Arrays jvp(const Arrays& primals, const Arrays& tangents, const std::vector<int>& argnums) override {
+    for (size_t j = 0; j < argnums.size(); ++j)
+      if (argnums[j] == 0) return {tangents[j]};
+    return {mx::zeros_like(primals[0], stream())};
+  }
+
+  const char* name() const override {
+    return "MetalnnLayoutCopy";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dynamic_cast<const LayoutCopy*>(&other) != nullptr;
+  }
+  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+mx::array layout_copy_op(const mx::array& x, mx::Stream s, const std::optional<mx::array>& like) {
+  if (!native_stream(s)) return mx::copy(x, s);
+  Arrays in = {x};
+  if (like && like->shape() == x.shape() && like->dtype() == x.dtype()) in.push_back(*like);
+  return mx::array(x.shape(), x.dtype(), std::make_shared<LayoutCopy>(s), in);
+}
+
+// ===========================================================================
+// AdamW update (mlx.optimizers.AdamW's formula), one fused multi-threaded pass:
+//   p1 = p (1 - lr wd);  m' = b1 m + (1 - b1) g;  v' = b2 v + (1 - b2) g^2
+//   p' = p1 - lr m' / (sqrt(v') + eps)                       (no bias correction)
+//   p' = p1 - c1 m' / (sqrt(v') c2 + eps), c1 = lr / (1 - b1^t), c2 = rsqrt(1 - b2^t)
+// Inputs p, g, m, v (one shape), lr and the step t (0-d arrays); outputs p', m', v'.
+// ===========================================================================
+
+// nb1 = 1 - b1 and nb2 = 1 - b2 are rounded to float32 from double, as Python computes them
+// for mlx's optimizer (1 - float32(0.999) would differ from float32(1 - 0.999) by 5e-5 relative).
+struct AdamSpec {
+  float b1, b2, nb1, nb2, eps, wd;
+  bool bias_correction;
+  bool operator==(const AdamSpec& o) const {
+    return b1 == o.b1 && b2 == o.b2 && nb1 == o.nb1 && nb2 == o.nb2 && eps == o.eps && wd == o.wd &&
+           bias_correction == o.bias_correction;
+  }
+};
+
+Arrays adamw_mlx(const Arrays& in, const AdamSpec& sp, mx::Stream s) {
+  using namespace mlx::core;
+  const auto &p = in[0], &g = in[1], &m = in[2], &v = in[3];
+  auto lr = astype(in[4], float32, s);
+  auto p1 = multiply(p, subtract(array(1.0f), multiply(lr, array(sp.wd), s), s), s);
+  auto m2 = add(multiply(array(sp.b1), m, s), multiply(array(sp.nb1), g, s), s);
+  auto v2 = add(multiply(array(sp.b2), v, s), multiply(array(sp.nb2), square(g, s), s), s);
+  array out = p1;
+  if (sp.bias_correction) {
+    auto t = astype(in[5], float32, s);
+    auto c1 = divide(lr, subtract(array(1.0f), power(array(sp.b1), t, s), s), s);
+    auto c2 = rsqrt(subtract(array(1.0f), power(array(sp.b2), t, s), s), s);
+    out = subtract(p1, divide(multiply(c1, m2, s), add(multiply(sqrt(v2, s), c2, s), array(sp.eps), s), s), s);
+  } else {
+    out = subtract(p1, divide(multiply(lr, m2, s), add(sqrt(v2, s), array(sp.eps), s), s), s);
+  }
+  return {out, m2, v2};
+}
+
+struct AdamCoef {
+  float decay, b1, nb1, b2, nb2, eps, step_size, denom_scale;
+};
+
+TK_BODY void adam_body(const float* p, const float* g, const float* m, const float* v, float* po, float* mo,
+                       float* vo, const AdamCoef& c, size_t i0, size_t i1) {
+#pragma omp simd
+  for (size_t i = i0; i < i1; ++i) {
+    const float gi = g[i];
+    const float m2 = c.b1 * m[i] + c.nb1 * gi;
+    const float v2 = c.b2 * v[i] + c.nb2 * (gi * gi);
+    po[i] = p[i] * c.decay - (c.step_size * m2) / (std::sqrt(v2) * c.denom_scale + c.eps);
+    mo[i] = m2;
+    vo[i] = v2;
+  }
+}
+
+template <bool AVX>
+void adam_range(const float* p, const float* g, const float* m, const float* v, float* po, float* mo, float* vo,
+                const AdamCoef& c, size_t i0, size_t i1);
+
+template <>
+void adam_range<false>(const float* p, const float* g, const float* m, const float* v, float* po, float* mo,
+                       float* vo, const AdamCoef& c, size_t i0, size_t i1) {
+  adam_body(p, g, m, v, po, mo, vo, c, i0, i1);
+}
+
+#if METALNN_FM_X86
+template <>
+FM_TARGET void adam_range<true>(const float* p, const float* g, const float* m, const float* v, float* po,
+                                float* mo, float* vo, const AdamCoef& c, size_t i0, size_t i1) {
+  adam_body(p, g, m, v, po, mo, vo, c, i0, i1);
+}
+#else
+template <>
+void adam_range<true>(const float* p, const float* g, const float* m, const float* v, float* po, float* mo,
+                      float* vo, const AdamCoef& c, size_t i0, size_t i1) {
+  adam_body(p, g, m, v, po, mo, vo, c, i0, i1);
+}
+#endif
+
+
+class AdamWUpdate : public NativeOp {
+ public:
+  AdamWUpdate(mx::Stream s, AdamSpec sp)
+      : NativeOp(s, [sp, s](const Arrays& in) { return adamw_mlx(in, sp, s); }, 3), sp_(sp) {}
+
+  void eval_cpu(const Arrays& inputs, Arrays& outputs) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    // p', m', v' may take over the buffers of p, m, v when MLX can donate them.
+    for (int i = 0; i < 3; ++i) {
+      const auto& src = inputs[i == 0 ? 0 : i + 1];
+      if (src.is_donatable() && src.flags().row_contiguous && src.itemsize() == 4)
+        outputs[i].copy_shared_buffer(src);
+      else
+        alloc(outputs[i]);
+      enc.set_output_array(outputs[i]);
+    }
+    enc.dispatch([p = mx::array::unsafe_weak_copy(inputs[0]), g = mx::array::unsafe_weak_copy(inputs[1]),
+                  m = mx::array::unsafe_weak_copy(inputs[2]), v = mx::array::unsafe_weak_copy(inputs[3]),
+                  lr = mx::array::unsafe_weak_copy(inputs[4]), t = mx::array::unsafe_weak_copy(inputs[5]),
+                  po = mx::array::unsafe_weak_copy(outputs[0]), mo = mx::array::unsafe_weak_copy(outputs[1]),
+                  vo = mx::array::unsafe_weak_copy(outputs[2]), sp = sp_]() mutable {
+      const float lrv = lr.data<float>()[0];
+      const float step = t.data<float>()[0];
+      AdamCoef c;
+      c.decay = 1.0f - lrv * sp.wd;
+      c.b1 = sp.b1;
+      c.nb1 = sp.nb1;
+      c.b2 = sp.b2;
+      c.nb2 = sp.nb2;
+      c.eps = sp.eps;
+      if (sp.bias_correction) {
+        c.step_size = lrv / (1.0f - std::pow(sp.b1, step));
+        c.denom_scale = 1.0f / std::sqrt(1.0f - std::pow(sp.b2, step));
+      } else {
+        c.step_size = lrv;
+        c.denom_scale = 1.0f;
+      }
+      const float *pp = p.data<float>(), *pg = g.data<float>(), *pm = m.data<float>(), *pv = v.data<float>();
+      float *qp = po.data<float>(), *qm = mo.data<float>(), *qv = vo.data<float>();
+      const bool vec = avx2();
+      metalnn_native::parallel_for(p.size(), 16384, [&](size_t i0, size_t i1) {
+        vec ? adam_range<true>(pp, pg, pm, pv, qp, qm, qv, c, i0, i1)
+            : adam_range<false>(pp, pg, pm, pv, qp, qm, qv, c, i0, i1);
+      });
+    });
+  }
+
+  const char* name() const override {
+    return "MetalnnAdamW";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const AdamWUpdate*>(&other);
+    return o && o->sp_ == sp_;
+  }
+  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
+    return {inputs[0].shape(), inputs[0].shape(), inputs[0].shape()};
+  }
+
+ private:
+  AdamSpec sp_;
+};
+
+Arrays adamw_op(const Arrays& in, const AdamSpec& sp, mx::Stream s) {
+  const auto& p = in[0];
+  for (int i = 1; i < 4; ++i) {
+    std::ostringstream msg;
+    msg << "[adamw_update] param, grad, m and v must have one shape; got " << p.shape() << " and "
+        << in[i].shape();
+    require(in[i].shape() == p.shape(), msg.str());
+  }
+  bool native = native_stream(s);
+  for (int i = 0; i < 4; ++i) native = native && in[i].dtype() == mx::float32;
+  if (!native) return adamw_mlx(in, sp, s);
+  Arrays args = {rowc(in[0], s), rowc(in[1], s), rowc(in[2], s), rowc(in[3], s),
+                 mx::astype(in[4], mx::float32, s), mx::astype(in[5], mx::float32, s)};
+  return mx::array::make_arrays({p.shape(), p.shape(), p.shape()}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<AdamWUpdate>(s, sp), args);
+}
+
 std::vector<float> inv_freqs(int dims, std::optional<float> base, const std::optional<std::vector<float>>& freqs) {
   const int half = dims / 2;
   std::vector<float> inv(half);
@@ -1180,6 +1459,26 @@ void register_train_ops(nb::module_& m) {
       nb::arg("logits"), nb::arg("targets"), nb::arg("label_smoothing") = 0.0f, nb::kw_only(),
       nb::arg("stream") = nb::none(),
       "Per-row softmax cross entropy logsumexp(x) - (1 - ls) x[t] - ls mean(x).");
+  m.def(
+      "adamw_update",
+      [](const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v, const mx::array& lr,
+         const mx::array& step, double b1, double b2, float eps, float wd, bool bias_correction,
+         mx::StreamOrDevice s) {
+        AdamSpec sp{static_cast<float>(b1), static_cast<float>(b2), static_cast<float>(1.0 - b1),
+                    static_cast<float>(1.0 - b2), eps, wd, bias_correction};
+        auto out = adamw_op({p, g, m, v, lr, step}, sp, cpu_stream(s));
+        return nb::make_tuple(out[0], out[1], out[2]);
+      },
+      nb::arg("param"), nb::arg("grad"), nb::arg("m"), nb::arg("v"), nb::arg("lr"), nb::arg("step"),
+      nb::kw_only(), nb::arg("b1"), nb::arg("b2"), nb::arg("eps"), nb::arg("weight_decay"),
+      nb::arg("bias_correction"), nb::arg("stream") = nb::none(),
+      "One AdamW step (mlx.optimizers.AdamW's formula): returns (param, m, v).");
+  m.def(
+      "contiguous",
+      [](const mx::array& x, mx::StreamOrDevice s) { return layout_copy_op(x, cpu_stream(s)); },
+      nb::arg("x"), nb::kw_only(), nb::arg("stream") = nb::none(),
+      "A row-contiguous copy of x (any dtype), multi-threaded; its gradient is stored in x's own "
+      "memory order when that is dense (so a transposed view's gradient needs no further copy).");
   m.def(
       "scaled_softmax",
       [](const mx::array& x, float scale, bool causal, int q_len, int offset, mx::StreamOrDevice s) {
