@@ -19,6 +19,11 @@ per round), so load from other processes on a shared machine hits all of them al
 tokens/s for each (median of the timed steps) and metalnn's ratio to the others.
 
     python scripts/bench_train.py [--shape mha|gqa] [--steps 10] [--warmup 3] [--threads N]
+
+``--cpu-time`` times each step by the process's CPU time instead of the wall clock: with every
+library on one thread (``OPENBLAS_NUM_THREADS=1 METALNN_NUM_THREADS=1 python
+scripts/bench_train.py --threads 1 --cpu-time``) that compares the work each framework does,
+whatever else runs on the machine.
 """
 
 from __future__ import annotations
@@ -47,16 +52,16 @@ def batches(n, seed=0):
     return [rng.integers(0, CFG["vocab"], (CFG["batch"], CFG["seq"] + 1)).astype(np.int32) for _ in range(n)]
 
 
-def timed_rounds(steps: dict, data, warmup):
+def timed_rounds(steps: dict, data, warmup, clock=time.perf_counter):
     """Run one step of each framework per batch, round after round; per framework: (tokens/s of
     the median timed step, the timed step durations)."""
     times = {name: [] for name in steps}
     for i, b in enumerate(data):
         for name, step in steps.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             step(b)
             if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     tokens = CFG["batch"] * CFG["seq"]
     return {name: (tokens / statistics.median(t), t) for name, t in times.items()}
 
@@ -189,6 +194,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="PyTorch intra-op threads (default: all cores)")
     p.add_argument("--only", choices=["metalnn", "torch", "mlx"], nargs="*", default=None)
+    p.add_argument("--cpu-time", action="store_true", help="time steps by process CPU time (see above)")
     args = p.parse_args(argv)
     CFG.clear()
     CFG.update(SHAPES[args.shape])
@@ -203,7 +209,10 @@ def main(argv=None):
           f"{os.cpu_count()} cores; MLX {mx.__version__}, torch {torch.__version__}")
     steps = {name: {"metalnn": bench_metalnn, "torch": bench_torch, "mlx": bench_mlx}[name]() for name in which}
     results = {}
-    for name, (rate, times) in timed_rounds(steps, data, args.warmup).items():
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    if args.cpu_time:
+        print("  (CPU time per step, not wall time)")
+    for name, (rate, times) in timed_rounds(steps, data, args.warmup, clock).items():
         results[name] = rate
         print(f"  {name:8s} {rate:10,.0f} tokens/s   (median step {CFG['batch'] * CFG['seq'] / rate * 1e3:.0f} ms, "
               f"min {min(times) * 1e3:.0f} ms, max {max(times) * 1e3:.0f} ms)")
