@@ -134,9 +134,9 @@ def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=Non
     * ``"auto"``: ``mx.fast.scaled_dot_product_attention``. On the CPU backend, for float32 inputs
       without a mask array and while the native extension is available, the form of
       `_attention_fused` (two matrix products around `metalnn.fused.scaled_softmax`) instead:
-      ``python scripts/bench_kernels.py --ops attention`` (q ``[2, 8, 256, 64]``, 2 kv heads,
-      causal) measured it many times faster forward and forward+backward than MLX's CPU
-      attention (2-core x86_64, shared machine).
+      ``python scripts/bench_kernels.py --ops attention --cpu-time`` (q ``[2, 8, 256, 64]``, 2 kv
+      heads, causal, one thread) measured about 7x less CPU time forward and 3.5x less
+      forward+backward than MLX's CPU attention (2-core x86_64, shared machine).
     * ``"metal"``/``"emulate"``: the fused kernels of `metalnn.kernels.attention` for the calls its
       ``supports`` accepts (no mask array, ``head_dim <= 256``, non-empty); otherwise ``"auto"``.
     """

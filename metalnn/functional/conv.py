@@ -18,8 +18,11 @@ Implementation by ``device.kernels`` (every path is differentiable with ``mx.gra
   every convolution runs the CPU path (`conv_im2col.conv_cpu` / ``conv_transpose_cpu``:
   ``W @ im2col(x)`` and ``col2im(W^T @ x)`` with `metalnn.im2col`'s native multi-threaded
   primitives, each the other's VJP, so forward and backward are GEMMs plus one im2col or col2im
-  each). ``python scripts/bench_conv.py`` measures conv2d forward+backward against PyTorch's CPU
-  convolution (README, "Speed on Linux CPU").
+  each). One thread, CPU time (``scripts/bench_kernels.py --ops conv2d,conv_transpose2d
+  --cpu-time``): conv2d (batch 16, 32 -> 64 channels, 32x32, 3x3) forward+backward 1.8x less than
+  ``mx.conv_general`` with MLX autodiff, conv_transpose2d (64 -> 32 channels, 16x16, 4x4, stride 2)
+  about 40x less; ``python scripts/bench_conv.py`` compares conv2d with PyTorch's CPU convolution
+  (README, "Speed on Linux CPU").
 * ``"metal"``/``"emulate"``: the implicit-GEMM kernels of `metalnn.kernels.conv` (every
   convolution of one float dtype with no empty axis); otherwise ``"auto"``.
 

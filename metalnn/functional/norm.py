@@ -33,8 +33,9 @@ def rms_norm(x, weight, eps: float = 1e-5, device=None):
     Same semantics as ``mx.fast.rms_norm``; differentiable in ``x`` and ``weight``. Implementation by
     ``device.kernels``: ``"reference"`` `rms_norm_reference`; ``"auto"`` ``mx.fast.rms_norm``, on the
     CPU backend for float32 `metalnn.fused.rms_norm` (one multi-threaded pass forward and one
-    backward instead of MLX's chain of single-threaded ops: about 5x faster forward+backward on
-    ``[8, 256, 256]``, ``scripts/bench_kernels.py --ops rms_norm``); ``"metal"``/``"emulate"`` the
+    backward instead of MLX's chain of single-threaded ops; ``scripts/bench_kernels.py --ops
+    rms_norm --cpu-time``, one thread, ``[8, 512, 1024]``: about 10x less CPU time forward+backward
+    than ``mx.fast.rms_norm``); ``"metal"``/``"emulate"`` the
     kernels of `metalnn.kernels.rms_norm` (float32/float16/bfloat16, non-empty), else ``"auto"``.
     """
     device = resolve(device)
