@@ -106,17 +106,17 @@ def rope(x, dims: int, *, traditional: bool = False, base: float | None = 10000.
          offset: int = 0, freqs=None, stream=None):
     """Rotary embedding of x ``[..., T, D]`` (as ``mx.fast.rope``; ``offset`` an int).
 
-    ``freqs``: optional periods (one per rotated pair; then ``base`` is unused).
+    ``freqs``: optional periods (one per rotated pair; then ``base`` is unused), an array that
+    may also be an input of an ``mx.compile``-d function. As with ``mx.fast.rope``, only ``x`` is
+    differentiated.
     """
+    f = None if freqs is None else mx.array(freqs, dtype=mx.float32)
     if _ext is None:
-        f = None if freqs is None else mx.array(freqs, dtype=mx.float32)
         x3 = x.reshape(-1, *x.shape[-2:])
         return mx.fast.rope(x3, dims, traditional=traditional, base=None if f is not None else base, scale=scale,
                             offset=offset, freqs=f).reshape(x.shape)
-    if freqs is not None:
-        freqs = [float(v) for v in mx.array(freqs, dtype=mx.float32).tolist()]
     return _ext.rope(x, int(dims), traditional=bool(traditional), base=None if base is None else float(base),
-                     scale=float(scale), offset=int(offset), freqs=freqs, stream=stream)
+                     scale=float(scale), offset=int(offset), freqs=f, stream=stream)
 
 
 def gated(a, b, activation: str = "silu", *, stream=None):

@@ -492,3 +492,33 @@ def test_adamw_optimizer_is_mlx_adamw(bias_correction, path):
     assert sa.keys() == sb.keys()
     for k in sa:
         _close(sb[k], np.array(sa[k]), 1e-5, 1e-6, what=k)
+
+
+# ----------------------------------------------------------------------------- a compiled training step
+
+
+def test_compiled_training_step_matches_the_reference():
+    """A Llama with custom RoPE periods (llama3 scaling: the periods are a traced array under the
+    Trainer's mx.compile), SwiGLU, GQA and metalnn's AdamW: "auto" (the fused CPU primitives) and
+    "reference" (plain MLX ops) give the same losses. The first loss (same parameters) within
+    float32 rounding of sums in another order: 1e-5 relative. Later ones within 1e-4: Adam's
+    first updates are about lr * sign(g), so a gradient component within rounding of 0 can move
+    its weight by 2 lr in one implementation and not the other."""
+    cfg = mn.models.llama_config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=96,
+                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    batch = np.random.default_rng(60).integers(0, 64, (2, 17)).astype(np.int32)
+    losses = {}
+    for kernels in ("auto", "reference"):
+        model = mn.models.from_config(cfg, seed=0)
+        device = mn.Device(seed=0, kernels=kernels)
+
+        def loss_fn(model, b, device):
+            return mn.losses.cross_entropy(model.compile(device, mn.Data(b[0])).array, b[1], device=device)
+
+        trainer = mn.Trainer(model, mn.optimizers.AdamW(3e-3), loss_fn, device=device, progress=False)
+        losses[kernels] = [trainer.step((mx.array(batch[:, :-1]), mx.array(batch[:, 1:]))) for _ in range(4)]
+    np.testing.assert_allclose(losses["auto"][0], losses["reference"][0], rtol=1e-5)
+    np.testing.assert_allclose(losses["auto"], losses["reference"], rtol=1e-4)
+    assert losses["auto"][-1] < losses["auto"][0]

@@ -382,30 +382,34 @@ Arrays rms_norm_vjp_op(const mx::array& x, const std::optional<mx::array>& w, co
 // RoPE
 // ===========================================================================
 
+// inv_freq: base ** (-2i / dims) for i < dims / 2, unless has_freqs: then the op's second input
+// holds the periods (inv_freq = 1 / freqs, read at evaluation, so the periods may be a traced
+// array under mx.compile).
 struct RopeSpec {
   int dims;
   bool traditional;
-  std::vector<float> inv_freq;  // dims / 2
+  std::vector<float> inv_freq;
+  bool has_freqs;
   float scale;
   int offset;
   bool inverse;
 
   bool operator==(const RopeSpec& o) const {
-    return dims == o.dims && traditional == o.traditional && inv_freq == o.inv_freq && scale == o.scale &&
-           offset == o.offset && inverse == o.inverse;
+    return dims == o.dims && traditional == o.traditional && inv_freq == o.inv_freq && has_freqs == o.has_freqs &&
+           scale == o.scale && offset == o.offset && inverse == o.inverse;
   }
 };
 
-mx::array rope_mlx(const mx::array& x, const RopeSpec& sp, mx::Stream s) {
+mx::array rope_mlx(const mx::array& x, const RopeSpec& sp, const std::optional<mx::array>& freqs, mx::Stream s) {
   using namespace mlx::core;
   const int T = x.shape(-2), D = x.shape(-1), half = sp.dims / 2;
-  auto inv = array(sp.inv_freq.data(), {half}, float32);
+  auto inv = sp.has_freqs ? divide(array(1.0f), astype(*freqs, float32, s), s)
+                          : array(sp.inv_freq.data(), {half}, float32);
   auto pos = multiply(add(arange(0, T, float32, s), array(static_cast<float>(sp.offset)), s), array(sp.scale), s);
   auto theta = multiply(reshape(pos, {T, 1}, s), reshape(inv, {1, half}, s), s);
   auto c = cos(theta, s), sn = sin(theta, s);
   if (sp.inverse) sn = negative(sn, s);
-  auto xf = x;
-  auto rot = slice(xf, Shape(x.ndim(), 0), [&] {
+  auto rot = slice(x, Shape(x.ndim(), 0), [&] {
     auto e = x.shape();
     e.back() = sp.dims;
     return e;
@@ -443,7 +447,7 @@ mx::array rope_mlx(const mx::array& x, const RopeSpec& sp, mx::Stream s) {
   return out;
 }
 
-mx::array rope_op(const mx::array& x, const RopeSpec& sp, mx::Stream s,
+mx::array rope_op(const mx::array& x, const RopeSpec& sp, const std::optional<mx::array>& freqs, mx::Stream s,
                   const std::optional<mx::array>& layout = std::nullopt);
 
 template <bool AVX>
@@ -485,24 +489,40 @@ FM_TARGET void rope_rows<true>(const mx::array& x, mx::array& out, const float* 
 class Rope : public NativeOp {
  public:
   Rope(mx::Stream s, RopeSpec sp)
-      : NativeOp(s, [sp, s](const Arrays& in) { return Arrays{rope_mlx(in[0], sp, s)}; }, 1), sp_(std::move(sp)) {}
+      : NativeOp(
+            s,
+            [sp, s](const Arrays& in) {
+              return Arrays{rope_mlx(in[0], sp, sp.has_freqs ? std::optional<mx::array>(in[1]) : std::nullopt, s)};
+            },
+            1),
+        sp_(std::move(sp)) {}
 
-  // inputs: x, and optionally an array whose (dense) memory order the output takes: the
-  // backward pass writes the gradient in the layout of the forward input, so that the caller's
-  // split-heads transpose of it is row-contiguous again.
+  std::optional<mx::array> freqs_of(const Arrays& inputs) const {
+    return sp_.has_freqs ? std::optional<mx::array>(inputs[1]) : std::nullopt;
+  }
+
+  // inputs: x, the periods when has_freqs, and optionally an array whose (dense) memory order
+  // the output takes: the backward pass writes the gradient in the layout of the forward input,
+  // so that the caller's split-heads transpose of it is row-contiguous again.
   void eval_cpu(const Arrays& inputs, Arrays& outputs) override {
     auto& out = outputs[0];
-    if (inputs.size() > 1 && inputs[1].strides().back() == 1)
-      alloc_like(out, inputs[1]);
+    const size_t n_in = sp_.has_freqs ? 2 : 1;
+    if (inputs.size() > n_in && inputs[n_in].strides().back() == 1)
+      alloc_like(out, inputs[n_in]);
     else
       alloc(out);
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), out = mx::array::unsafe_weak_copy(out),
+                  f = sp_.has_freqs ? mx::array::unsafe_weak_copy(inputs[1]) : mx::array(0.0f),
                   sp = sp_]() mutable {
       if (x.size() == 0) return;
       const int64_t T = x.shape(-2), D = x.shape(-1), half = sp.dims / 2;
+      if (sp.has_freqs) {
+        sp.inv_freq.resize(half);
+        for (int64_t i = 0; i < half; ++i) sp.inv_freq[i] = 1.0f / f.data<float>()[i];
+      }
       // cos / sin table [T, half]: theta = (offset + t) * scale * inv_freq, in float32 as MLX
       std::vector<float> cs(T * half), sn(T * half);
       for (int64_t t = 0; t < T; ++t) {
@@ -523,20 +543,22 @@ class Rope : public NativeOp {
     });
   }
 
-  // (The optional layout input only decides where values are stored: its gradient is zero.)
+  // Only x is differentiated: the periods are constants (as for mx.fast.rope) and the optional
+  // layout input only decides where values are stored.
   Arrays vjp(const Arrays& primals, const Arrays& cotangents, const std::vector<int>& argnums,
              const Arrays&) override {
     RopeSpec inv = sp_;
     inv.inverse = !inv.inverse;
     Arrays res;
     for (int i : argnums)
-      res.push_back(i == 0 ? rope_op(cotangents[0], inv, stream(), primals[0]) : mx::zeros_like(primals[i], stream()));
+      res.push_back(i == 0 ? rope_op(cotangents[0], inv, freqs_of(primals), stream(), primals[0])
+                           : mx::zeros_like(primals[i], stream()));
     return res;
   }
 
   Arrays jvp(const Arrays& primals, const Arrays& tangents, const std::vector<int>& argnums) override {
     for (size_t j = 0; j < argnums.size(); ++j)
-      if (argnums[j] == 0) return {rope_op(tangents[j], sp_, stream())};
+      if (argnums[j] == 0) return {rope_op(tangents[j], sp_, freqs_of(primals), stream())};
     return {mx::zeros(primals[0].shape(), mx::float32, stream())};
   }
 
@@ -555,12 +577,19 @@ class Rope : public NativeOp {
   RopeSpec sp_;
 };
 
-mx::array rope_op(const mx::array& x, const RopeSpec& sp, mx::Stream s, const std::optional<mx::array>& layout) {
+mx::array rope_op(const mx::array& x, const RopeSpec& sp, const std::optional<mx::array>& freqs, mx::Stream s,
+                  const std::optional<mx::array>& layout) {
   require(x.ndim() >= 2, "[rope] x must be [..., T, D]");
   require(sp.dims > 0 && sp.dims % 2 == 0 && sp.dims <= x.shape(-1), "[rope] dims must be even and <= D");
-  if (!native_stream(s) || x.dtype() != mx::float32) return rope_mlx(x, sp, s);
+  if (sp.has_freqs) {
+    std::ostringstream msg;
+    msg << "[rope] freqs must hold dims / 2 = " << sp.dims / 2 << " periods, got shape " << freqs->shape();
+    require(freqs && freqs->size() == static_cast<size_t>(sp.dims / 2), msg.str());
+  }
+  if (!native_stream(s) || x.dtype() != mx::float32) return rope_mlx(x, sp, freqs, s);
   // The kernel reads any strided layout (e.g. the transposed view of split heads).
   Arrays in = {x};
+  if (sp.has_freqs) in.push_back(rowc(mx::astype(mx::reshape(*freqs, {-1}, s), mx::float32, s), s));
   if (layout && layout->shape() == x.shape()) in.push_back(*layout);
   return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, sp), in);
 }
@@ -1400,18 +1429,12 @@ Arrays adamw_op(const Arrays& in, const AdamSpec& sp, mx::Stream s) {
                                 std::make_shared<AdamWUpdate>(s, sp), args);
 }
 
-std::vector<float> inv_freqs(int dims, std::optional<float> base, const std::optional<std::vector<float>>& freqs) {
+// base ** (-2i / dims) for i < dims / 2, as MLX computes it in float32: exp(-(2i/dims) * log(base))
+std::vector<float> inv_freqs(int dims, std::optional<float> base) {
   const int half = dims / 2;
   std::vector<float> inv(half);
-  if (freqs) {
-    require(static_cast<int>(freqs->size()) == half, "[rope] freqs must have dims / 2 values");
-    for (int i = 0; i < half; ++i) inv[i] = 1.0f / (*freqs)[i];
-  } else {
-    // base ** (-2i / dims), as MLX computes it in float32: exp(-(2i/dims) * log(base))
-    const float lb = std::log(base.value_or(10000.0f));
-    for (int i = 0; i < half; ++i)
-      inv[i] = std::exp(-(static_cast<float>(2 * i) / static_cast<float>(dims)) * lb);
-  }
+  const float lb = std::log(base.value_or(10000.0f));
+  for (int i = 0; i < half; ++i) inv[i] = std::exp(-(static_cast<float>(2 * i) / static_cast<float>(dims)) * lb);
   return inv;
 }
 
@@ -1436,9 +1459,10 @@ void register_train_ops(nb::module_& m) {
   m.def(
       "rope",
       [](const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale, int offset,
-         const std::optional<std::vector<float>>& freqs, mx::StreamOrDevice s) {
-        RopeSpec sp{dims, traditional, inv_freqs(dims, base, freqs), scale, offset, false};
-        return rope_op(x, sp, cpu_stream(s));
+         const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
+        RopeSpec sp{dims, traditional, freqs ? std::vector<float>{} : inv_freqs(dims, base), bool(freqs), scale,
+                    offset, false};
+        return rope_op(x, sp, freqs, cpu_stream(s));
       },
       nb::arg("x"), nb::arg("dims"), nb::kw_only(), nb::arg("traditional"), nb::arg("base").none(),
       nb::arg("scale"), nb::arg("offset"), nb::arg("freqs").none() = nb::none(), nb::arg("stream") = nb::none(),
