@@ -8,7 +8,7 @@ from . import _blas as _blas
 
 _blas.setup()
 
-from . import functional, init, losses  # noqa: E402
+from . import functional, init, losses, optimizers  # noqa: E402
 from .data import Data, MTLSize  # noqa: E402
 from .device import Device, default_device, set_default_device  # noqa: E402
 from .errors import (MetalnnError, ShapeError, TrainingDivergedError, UnsupportedConfigError,  # noqa: E402
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Data", "MTLSize", "Device", "default_device", "set_default_device", "MetalnnError", "ShapeError",
     "TrainingDivergedError", "UnsupportedConfigError", "WeightLoadError", "Trainer", "functional", "init", "losses",
+    "optimizers",
     "load_safetensors", "open_provider", "save_safetensors", "generate", "stream_generate", "sample_logits",
     "models", "quantize", "QuantizationSummary", *_layer_names,
 ]

@@ -4,28 +4,25 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import fastmath
-
-
-def logsumexp(x):
-    """``log(sum(exp(x), axis=-1))``, with the exponentials on `metalnn.fastmath` (vectorised on
-    the CPU; MLX's own ``logsumexp`` evaluates them one element at a time there). Differentiable:
-    the gradient is ``softmax(x)``."""
-    m = mx.stop_gradient(mx.max(x, axis=-1, keepdims=True))
-    m = mx.where(mx.isinf(m), 0, m)  # rows of -inf stay -inf; +inf stays +inf
-    return mx.log(mx.sum(fastmath.exp(x - m), axis=-1)) + m[..., 0]
+from . import fused
+from .device import resolve
+from .functional._dispatch import fused_cpu
 
 
 def cross_entropy(logits, targets, ignore_index: int | None = None, reduction: str = "mean",
-                  label_smoothing: float = 0.0):
+                  label_smoothing: float = 0.0, device=None):
     """Softmax cross-entropy with integer class targets.
 
     Args:
-        logits: ``[..., C]`` unnormalised scores.
-        targets: ``[...]`` integer class ids.
+        logits: ``[..., C]`` unnormalised scores (computed in float32).
+        targets: ``[...]`` integer class ids in ``[0, C)`` (or ``ignore_index``).
         ignore_index: targets equal to it add nothing and are not counted in the mean.
         reduction: ``"mean"`` (over counted targets), ``"sum"`` or ``"none"`` (shape of targets).
         label_smoothing: mix the one-hot target with the uniform distribution.
+        device: the `Device` whose ``kernels`` picks the implementation: ``"reference"`` the formula
+            in plain MLX ops (``logsumexp`` and a gather); any other choice, on the CPU backend,
+            `metalnn.fused.cross_entropy` (one multi-threaded pass forward and one backward:
+            ``scripts/bench_kernels.py --ops cross_entropy``).
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} need targets of shape "
@@ -34,11 +31,14 @@ def cross_entropy(logits, targets, ignore_index: int | None = None, reduction: s
         raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
     logits = logits.astype(mx.float32)
     safe = targets if ignore_index is None else mx.where(targets == ignore_index, 0, targets)
-    lse = logsumexp(logits)
-    picked = mx.take_along_axis(logits, safe[..., None].astype(mx.int32), axis=-1)[..., 0]
-    loss = lse - picked
-    if label_smoothing:
-        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mx.mean(logits, axis=-1))
+    if resolve(device).kernels != "reference" and fused_cpu(logits):
+        loss = fused.cross_entropy(logits, safe, label_smoothing)
+    else:
+        lse = mx.logsumexp(logits, axis=-1)
+        picked = mx.take_along_axis(logits, safe[..., None].astype(mx.int32), axis=-1)[..., 0]
+        loss = lse - picked
+        if label_smoothing:
+            loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mx.mean(logits, axis=-1))
     if ignore_index is not None:
         keep = (targets != ignore_index)
         loss = mx.where(keep, loss, 0.0)

@@ -78,7 +78,7 @@ def main():
         t_np = bench_np(f_np, xn, repeat=r) / n * 1e9
         print(f"{name:10s} {t_mx:8.2f} {t_fm:9.2f} {t_np:8.2f} {t_mx / t_fm:7.1f}x")
 
-    print(f"\nforward+backward (mx.grad of sum(op(x) * w)), ns/element")
+    print("\nforward+backward (mx.grad of sum(op(x) * w)), ns/element")
     w = mx.random.normal(x.shape)
     mx.eval(w)
     print(f"{'op':10s} {'mlx':>8s} {'fastmath':>9s} {'speedup':>8s}")

@@ -220,7 +220,7 @@ def main(argv=None):
         memory = {c: measure_memory(c, gguf, folder, args) for c in CONFIGS}
 
     speed = {c: n_tokens / statistics.median(t) for c, t in times.items()}
-    print(f"\n| configuration | tokens/s | vs PEFT | peak memory (MiB, RSS) | vs PEFT | MLX peak (MiB) |")
+    print("\n| configuration | tokens/s | vs PEFT | peak memory (MiB, RSS) | vs PEFT | MLX peak (MiB) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for c, label in CONFIGS.items():
         mem = memory[c]["rss_peak_mib"]

@@ -1,15 +1,18 @@
 """Time each implementation of metalnn's ops against MLX's built-in op, forward and forward+backward.
 
     python scripts/bench_kernels.py [--repeats 10] [--ops rms_norm,attention] [--kernels auto,reference]
+    OPENBLAS_NUM_THREADS=1 METALNN_NUM_THREADS=1 python scripts/bench_kernels.py --cpu-time
 
-For every op (rms_norm, rope, attention, conv2d, conv_transpose2d, gated_delta) it times the MLX
-built-in (``mx.fast.rms_norm``, ``mx.fast.rope``, ``mx.fast.scaled_dot_product_attention``,
+For every op (rms_norm, rope, attention, gated, cross_entropy, conv2d, conv_transpose2d,
+gated_delta) it times the MLX built-in (``mx.fast.rms_norm``, ``mx.fast.rope``,
+``mx.fast.scaled_dot_product_attention``, ``nn.silu(a) * b``, ``mx.fast.cross_entropy``,
 ``mx.conv_general`` with MLX autodiff; the gated delta rule has none, so its baseline is MLX ops
 in the chunked form) and metalnn's implementations on a `Device` of each ``kernels`` choice:
 ``reference``, ``auto`` and, on a Mac with Metal, ``metal``. It prints a Markdown table of the
 best milliseconds per call (of ``--repeats`` runs) and the ratio ``built-in time / metalnn time`` (> 1: metalnn is
 faster). On the CPU backend the ``auto`` column is what justifies each CPU stand-in that
-`metalnn.functional` documents (the fastmath attention, the im2col convolutions).
+`metalnn.functional` documents (the fused CPU primitives of `metalnn.fused`, the im2col
+convolutions).
 
 The timings of one run are comparable with each other (same process, same machine state); say
 whether the machine was shared when quoting them. scripts/validate_metal.py reuses `WORKLOADS`.
@@ -22,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import mlx.core as mx  # first, as users do
+import mlx.nn as nn
+
 import metalnn as mn
-
-import mlx.core as mx  # noqa: E402
-
 from metalnn import functional as F  # noqa: E402
 from metalnn.functional.conv import conv_mlx, conv_transpose_mlx  # noqa: E402
 from metalnn.functional.gated_delta import gated_delta_chunk  # noqa: E402
@@ -42,6 +45,9 @@ class Workload:
 
 def _normal(*shape, scale=1.0, seed=0):
     return mx.random.normal(shape, key=mx.random.key(seed)) * scale
+
+
+_TARGETS = mx.random.randint(0, 256, (2048,), key=mx.random.key(7))
 
 
 def _gated_delta_inputs():
@@ -69,6 +75,11 @@ WORKLOADS = [
              lambda: (_normal(2, 8, 256, 64), _normal(2, 2, 256, 64, seed=1), _normal(2, 2, 256, 64, seed=2)),
              lambda d, q, k, v: F.attention(q, k, v, device=d),
              lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=64 ** -0.5, mask="causal")),
+    Workload("gated", "gate, up [8, 256, 688] (SwiGLU)", lambda: (_normal(8, 256, 688), _normal(8, 256, 688, seed=1)),
+             lambda d, a, b: F.gated_activation(a, b, "silu", device=d), lambda a, b: nn.silu(a) * b),
+    Workload("cross_entropy", "logits [2048, 256]", lambda: (_normal(2048, 256, scale=3.0),),
+             lambda d, z: mn.losses.cross_entropy(z, _TARGETS, reduction="none", device=d),
+             lambda z: mx.fast.cross_entropy(z, _TARGETS)),
     Workload("conv2d", "x [16, 32, 32, 32], w [64, 32, 3, 3], pad 1",
              lambda: (_normal(16, 32, 32, 32), _normal(64, 32, 3, 3, scale=0.05, seed=1)),
              lambda d, x, w: F.conv2d(x, w, padding=1, device=d),
@@ -89,16 +100,20 @@ def forward_and_backward(fn, inputs):
     return (lambda: fn(*inputs)), (lambda: mx.vjp(fn, list(inputs), [cot]))
 
 
+CLOCK = [time.perf_counter]  # time.process_time with --cpu-time
+
+
 def time_ms(fn, repeats: int, warmup: int = 2) -> float:
-    """Best wall time of ``mx.eval(fn())`` over ``repeats`` runs, in milliseconds (the minimum is
-    the least disturbed by other work on a shared machine)."""
+    """Best time of ``mx.eval(fn())`` over ``repeats`` runs, in milliseconds (the minimum is the
+    least disturbed by other work on a shared machine)."""
+    clock = CLOCK[0]
     for _ in range(warmup):
         mx.eval(fn())
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         mx.eval(fn())
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times) * 1e3
 
 
@@ -130,13 +145,19 @@ def main(argv=None):
     p.add_argument("--ops", default=",".join(w.op for w in WORKLOADS), help="comma-separated subset")
     default_kernels = "reference,auto" + (",metal" if mx.metal.is_available() else "")
     p.add_argument("--kernels", default=default_kernels, help=f"comma-separated (default {default_kernels})")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by process CPU time; with OPENBLAS_NUM_THREADS=1 METALNN_NUM_THREADS=1 this "
+                        "compares the work of each implementation whatever else runs on the machine")
     args = p.parse_args(argv)
+    if args.cpu_time:
+        CLOCK[0] = time.process_time
     ops, kernels = args.ops.split(","), args.kernels.split(",")
     unknown = set(ops) - {w.op for w in WORKLOADS}
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}; choose from {[w.op for w in WORKLOADS]}")
-    print(f"MLX {mx.__version__}, default device {mx.default_device()}, metalnn fastmath "
-          f"{'on' if mn.fastmath.available() else 'off'}; best of {args.repeats} runs\n")
+    print(f"MLX {mx.__version__}, default device {mx.default_device()}, metalnn native extension "
+          f"{'on' if mn.fused.available() else 'off'}; best of {args.repeats} runs"
+          f"{' (process CPU time)' if args.cpu_time else ''}\n")
     header = ["op", "shape", "pass", "MLX built-in ms"]
     for kind in kernels:
         header += [f"{kind} ms", f"{kind} speed"]

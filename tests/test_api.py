@@ -196,15 +196,19 @@ def test_trainer_resume_goes_through_the_one_strict_loader(tmp_path):
 
 
 def test_reference_devices_run_plain_activation_formulas(monkeypatch):
-    """"reference" means plain MLX ops for activations too; other choices use the fast primitives."""
+    """"reference" means plain MLX ops for activations too; other choices use the fast primitives
+    (for a gated MLP on the CPU: the fused gate-and-product primitive of metalnn.fused)."""
     import metalnn.functional.activations as act
+    from metalnn import fused
 
     calls = []
     monkeypatch.setitem(act.FAST, "silu", lambda x: calls.append("fast") or act.PLAIN["silu"](x))
+    real_gated = fused.gated
+    monkeypatch.setattr(fused, "gated", lambda *a, **k: calls.append("fused") or real_gated(*a, **k))
     layer = mn.SwiGLU(8)
     x = mx.ones((2, 4))
     ref = layer(x, device=mn.Device(kernels="reference"))
     assert calls == []
     fast = layer(x, device=mn.Device(kernels="auto"))
-    assert calls == ["fast"]
+    assert calls == (["fused"] if fused.available() else ["fast"])
     np.testing.assert_allclose(np.array(fast), np.array(ref), atol=1e-6)

@@ -380,7 +380,7 @@ def test_ld_preload_hint_works(tmp_path):
     env["LD_PRELOAD"] = f"{info['library']}:{info['shim']}"
     code = (
         NO_SITE_PRELUDE
-        + textwrap.dedent(f"""
+        + textwrap.dedent("""
         import importlib.util
         import mlx.core as mx
         """)

@@ -51,6 +51,9 @@ CASES = [
     (True, 2, 1, 3, 2, (4, 3), (2, 2), dict(stride=3)),  # stride > kernel: gaps in the output
     (True, 2, 2, 2, 3, (6, 5), (3, 2), dict(stride=1, padding=2, dilation=2, output_padding=1)),
     (True, 1, 2, 4, 6, (5,), (4,), dict(stride=3, padding=1, output_padding=1, dilation=2, groups=2)),
+    # output_padding >= stride (allowed below the dilation) and > padding: extra output rows that
+    # windows of the zero-padded input still reach
+    (True, 2, 2, 3, 2, (4, 5), (3, 2), dict(stride=2, dilation=3, output_padding=(2, 1), padding=(0, 1))),
     (True, 3, 2, 2, 4, (3, 4, 5), (2, 3, 2), dict(stride=(2, 1, 2), padding=(0, 1, 1), output_padding=(1, 0, 1),
                                                   dilation=(1, 1, 2), groups=2)),
 ]
@@ -93,14 +96,18 @@ def _mlx_builtin(case):
 
 
 # "mlx": only the cases metalnn sends to mx.conv_general (the others: test_mlx_limits_are_real).
-PATHS = [pytest.param(case, path, id=f"{path}-{_ids(case)}") for case in CASES for path in ("reference", "auto", "mlx")
-         if path != "mlx" or _mlx_builtin(case)[1]]
+# "auto-mlx-im2col": the CPU path with metalnn.im2col's MLX-op fallback (no native extension).
+PATHS = [pytest.param(case, path, id=f"{path}-{_ids(case)}") for case in CASES
+         for path in ("reference", "auto", "auto-mlx-im2col", "mlx") if path != "mlx" or _mlx_builtin(case)[1]]
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("case,path", PATHS)
-def test_matches_torch_forward_and_grads(case, path, bias):
+def test_matches_torch_forward_and_grads(case, path, bias, monkeypatch):
     transposed, n, N, C, O, S, k, kw = case
+    if path == "auto-mlx-im2col":
+        monkeypatch.setattr(mn.im2col, "_ext", None)
+        path = "auto"
     rng = np.random.default_rng(zlib.crc32(_ids(case).encode()))
     g = kw.get("groups", 1)
     x = rng.standard_normal((N, C) + S).astype(np.float32)

@@ -1,4 +1,5 @@
-"""Conv layers (planar Data) vs torch.nn.Conv*d with copied weights; dims, init, errors; the demo."""
+"""Conv layers (planar Data and channels-last arrays) vs torch.nn.Conv*d with copied weights, on the
+"reference" and "auto" implementations; dims, init, errors; the demo."""
 
 import numpy as np
 import pytest
@@ -7,6 +8,11 @@ import torch
 import metalnn as mn
 import mlx.core as mx
 from metalnn.errors import ShapeError
+
+
+@pytest.fixture(params=["reference", "auto"])
+def device(request):
+    return mn.Device(kernels=request.param, seed=0)
 
 
 def _copy(layer, tlayer):
@@ -77,6 +83,38 @@ def test_conv_layer_gradients_match_torch(device, rng):
     loss = lambda m, xx: (m.compile(device, mn.Data.from_nchw(xx)).array ** 2).sum()  # noqa: E731
     _, grads = nn.value_and_grad(layer, loss)(layer, mx.array(x))
     (ref(torch.tensor(x)) ** 2).sum().backward()
+    np.testing.assert_allclose(np.array(grads["weight"]), ref.weight.grad.numpy(), atol=1e-3, rtol=1e-4)
+    np.testing.assert_allclose(np.array(grads["bias"]), ref.bias.grad.numpy(), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_channels_last_arrays_match_torch_with_gradients(device, rng, transposed):
+    """The array call (channels-last in and out) and the gradients in input, weight and bias."""
+    x = rng.standard_normal((2, 7, 6, 3)).astype(np.float32)  # N, H, W, C
+    if transposed:
+        layer = mn.ConvTransposed2D(4, 3, stride=2, padding=1, output_padding=1)
+        ref = torch.nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1)
+    else:
+        layer = mn.Conv2D(4, 3, stride=(2, 1), padding=1, groups=1)
+        ref = torch.nn.Conv2d(3, 4, 3, stride=(2, 1), padding=1)
+    layer(mx.array(x), device=device)
+    _copy(layer, ref)
+    import mlx.nn as nn
+
+    g = rng.standard_normal(tuple(ref(torch.zeros(1, 3, 7, 6)).permute(0, 2, 3, 1).shape[1:])).astype(np.float32)
+
+    def loss(m, xx):
+        return (m(xx, device=device) * mx.array(g)).sum()
+
+    xm = mx.array(x)
+    value, grads = nn.value_and_grad(layer, loss)(layer, xm)
+    dx = mx.grad(lambda xx: loss(layer, xx))(xm)
+    tx = torch.tensor(x, requires_grad=True)
+    ty = ref(tx.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+    (ty * torch.tensor(g)).sum().backward()
+    np.testing.assert_allclose(np.array(layer(xm, device=device)), ty.detach().numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.array(dx), tx.grad.numpy(), atol=1e-4, rtol=1e-4)
+    # weight/bias gradients sum over N * H * W (<= 168) products of O(1) terms
     np.testing.assert_allclose(np.array(grads["weight"]), ref.weight.grad.numpy(), atol=1e-3, rtol=1e-4)
     np.testing.assert_allclose(np.array(grads["bias"]), ref.bias.grad.numpy(), atol=1e-3, rtol=1e-4)
 

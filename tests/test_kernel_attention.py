@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import metalnn as mn
-from metalnn import fastmath
+from metalnn import fused
 from metalnn import functional as F
 from metalnn.kernels import attention as attention_kernels
 
@@ -203,17 +203,17 @@ def test_head_dim_over_256_runs_auto(monkeypatch):
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[6]], ids=["decode_gqa4", "full_gqa4", "offset"])
 def test_auto_matches_torch(case, monkeypatch):
-    """"auto" on the CPU: the fastmath form (float32, no mask array) or MLX's fused attention."""
+    """"auto" on the CPU: the fused-softmax form (float32, no mask array) or MLX's fused attention."""
     _, B, Hq, Hkv, Tq, Tk, D, causal, offset = case
     softmax_calls = []
-    real = fastmath.softmax
-    monkeypatch.setattr(fastmath, "softmax", lambda *a, **k: (softmax_calls.append(1), real(*a, **k))[1])
+    real = fused.scaled_softmax
+    monkeypatch.setattr(fused, "scaled_softmax", lambda *a, **k: (softmax_calls.append(1), real(*a, **k))[1])
     q, k, v, cot = make(case, seed=21)
     got = value_and_grads(lambda q, k, v: F.attention(q, k, v, causal=causal, offset=offset, device=mn.Device()),
                           q, k, v, cot)
     check(got, torch_value_and_grads(q, k, v, cot, 1.0 / math.sqrt(D), causal, offset), mx.float32)
-    # An offset other than Tk - Tq needs a mask array: MLX's attention then, not the fastmath form.
-    assert bool(softmax_calls) == (fastmath.available() and offset is None)
+    # An offset other than Tk - Tq needs a mask array: MLX's attention then, not the fused form.
+    assert bool(softmax_calls) == (fused.available() and offset is None)
 
 
 def test_tiling_fits_threadgroup_memory():

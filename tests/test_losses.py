@@ -78,13 +78,18 @@ def test_data_dims_round_trip(dims):
     np.testing.assert_array_equal(np.array(d.array).ravel(), np.arange(W * H * D))
 
 
-def test_logsumexp_matches_torch_with_large_and_infinite_values():
-    x = np.array([[1.0, 2.0, 3.0], [-np.inf] * 3, [np.inf, 0.0, 1.0], [1000.0, 1000.0, 0.0], [-1e4, -1e4, -2e4]],
-                 dtype=np.float32)
-    want = torch.logsumexp(torch.tensor(x), dim=-1).numpy()
-    np.testing.assert_allclose(np.array(mn.losses.logsumexp(mx.array(x))), want, rtol=1e-6)  # float32 rounding
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_cross_entropy_matches_torch_with_large_logits(kernels):
+    """Rows of huge, tied and far-apart logits: float32 rounding of torch's log-softmax (rtol 1e-6)."""
+    x = np.array([[1.0, 2.0, 3.0], [1000.0, 1000.0, 0.0], [-1e4, -1e4, -2e4], [80.0, -80.0, 0.0]], dtype=np.float32)
+    t = np.array([2, 1, 0, 1])
+    want = torch.nn.functional.cross_entropy(torch.tensor(x), torch.tensor(t), reduction="none").numpy()
+    got = mn.losses.cross_entropy(mx.array(x), mx.array(t), reduction="none", device=mn.Device(kernels=kernels))
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-6)
     finite = np.random.default_rng(0).normal(size=(4, 1000)).astype(np.float32) * 20
-    g = mx.grad(lambda z: (mn.losses.logsumexp(z) * mx.arange(4)).sum())(mx.array(finite))
-    t = torch.tensor(finite, requires_grad=True)
-    (torch.logsumexp(t, dim=-1) * torch.arange(4)).sum().backward()
-    np.testing.assert_allclose(np.array(g), t.grad.numpy(), rtol=1e-5, atol=1e-7)
+    targets = np.array([3, 999, 0, 500])
+    g = mx.grad(lambda z: mn.losses.cross_entropy(z, mx.array(targets), device=mn.Device(kernels=kernels)))(
+        mx.array(finite))
+    tt = torch.tensor(finite, requires_grad=True)
+    torch.nn.functional.cross_entropy(tt, torch.tensor(targets)).backward()
+    np.testing.assert_allclose(np.array(g), tt.grad.numpy(), rtol=1e-5, atol=1e-7)

@@ -1,6 +1,5 @@
 """Trainer: learning, bit-exact resume, NaN stop, checkpoints."""
 
-import math
 
 import mlx.core as mx
 import mlx.optimizers as optim

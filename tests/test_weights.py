@@ -1,7 +1,6 @@
 """Providers, strict all-or-nothing loading, atomic save, damaged files."""
 
 import json
-import os
 
 import mlx.core as mx
 import numpy as np

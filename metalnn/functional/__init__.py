@@ -10,14 +10,14 @@ Metal source run by the CPU emulator in ``metal_kernels.emulator``).
 This package owns the choice and the fallbacks; `metalnn.kernels` only launches kernels.
 """
 
-from .activations import activation, check_activation
+from .activations import activation, check_activation, gated_activation
 from .attention import attention, attention_reference, causal_mask
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from .gated_delta import gated_delta_rule
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
 
-__all__ = ["activation", "check_activation", "attention", "attention_reference", "causal_mask",
+__all__ = ["activation", "check_activation", "gated_activation", "attention", "attention_reference", "causal_mask",
            "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
            "gated_delta_rule", "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
            "rope", "rope_reference"]

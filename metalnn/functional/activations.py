@@ -16,8 +16,9 @@ import math
 
 import mlx.core as mx
 
-from .. import fastmath
+from .. import fastmath, fused
 from ..device import resolve
+from ._dispatch import fused_cpu
 
 
 def _gelu(x):
@@ -72,6 +73,10 @@ FAST = {
 
 NAMES = tuple(sorted(PLAIN))
 
+# activation name -> the gate `metalnn.fused.gated` computes fused with the product
+FUSED_GATES = {"silu": "silu", "swish": "silu", "gelu_approx": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "sigmoid": "sigmoid", "tanh": "tanh"}
+
 
 def check_activation(name: str) -> str:
     """``name`` if it is a registered activation, else a ValueError listing them."""
@@ -87,3 +92,19 @@ def activation(x, name: str, device=None, **kwargs):
     if resolve(device).kernels == "reference":
         return PLAIN[name](x, **kwargs)
     return FAST.get(name, PLAIN[name])(x, **kwargs)
+
+
+def gated_activation(gate, up, name: str, device=None):
+    """``activation(gate, name) * up``: the product of a gated MLP (SwiGLU, GeGLU, GLU, ReGLU).
+
+    On devices other than ``"reference"``, on the CPU backend, for float32 arrays of one shape and
+    the gates of `FUSED_GATES`, `metalnn.fused.gated` computes the gate and the product in one
+    multi-threaded pass (and both gradients in one more): about 20x less CPU time forward+backward
+    than ``nn.silu(a) * b`` (``scripts/bench_kernels.py --ops gated --cpu-time``, one thread).
+    """
+    check_activation(name)
+    device = resolve(device)
+    if (device.kernels != "reference" and name in FUSED_GATES and gate.shape == up.shape
+            and fused_cpu(gate, up)):
+        return fused.gated(gate, up, FUSED_GATES[name])
+    return activation(gate, name, device=device) * up

@@ -6,10 +6,10 @@ import math
 
 import mlx.core as mx
 
-from .. import fastmath
+from .. import fused
 from ..device import resolve
 from ..kernels import attention as kernels
-from ._dispatch import emulator_options, kernel_backend, on_cpu
+from ._dispatch import emulator_options, fused_cpu, kernel_backend
 
 __all__ = ["attention", "attention_reference", "causal_mask"]
 
@@ -79,32 +79,34 @@ def _combined_mask(q, k, causal, mask, offset):
     return mx.where(cm, mask.astype(q.dtype), mx.array(-mx.inf, q.dtype))
 
 
-def _attention_fastmath(q, k, v, scale, causal):
-    """Attention on the CPU with the vectorised softmax of `metalnn.fastmath` (float32, no mask array).
+def _attention_fused(q, k, v, scale, causal):
+    """Attention on the CPU as two matrix products around `metalnn.fused.scaled_softmax` (float32,
+    no mask array).
 
-    MLX's CPU attention evaluates ``exp`` one element at a time; this spells attention out as two
-    matrix products around the fast softmax. GQA without copies: query heads are grouped as
-    ``[B, Hkv, rep*Tq, D]`` against ``[B, Hkv, Tk, D]``.
+    MLX's CPU attention evaluates ``exp`` one element at a time; here the scale, the causal mask
+    and the softmax are one multi-threaded pass (and one backward pass) over the scores. GQA
+    without copies: query heads are grouped as ``[B, Hkv, rep*Tq, D]`` against ``[B, Hkv, Tk, D]``.
+
+    Layouts: ``v`` (typically the transposed view of split heads) is made row-contiguous by
+    `metalnn.fused.contiguous`, whose gradient comes back in ``v``'s own memory order; the
+    output is stored position-major (``[B, Tq, Hq, D]`` in memory, returned as the
+    ``[B, Hq, Tq, D]`` view), so merging the heads back is free and the gradient of the output
+    reaches the two matrix products row-contiguous.
     """
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     rep = Hq // Hkv
-    qg = q.reshape(B, Hkv, rep * Tq, D)
-    s = (qg * scale) @ k.swapaxes(-1, -2)
-    if causal:
-        allowed = mx.arange(Tk)[None, :] <= (mx.arange(Tq)[:, None] + (Tk - Tq))
-        bias = mx.where(allowed, 0.0, -mx.inf).astype(s.dtype)
-        s = (s.reshape(B, Hkv, rep, Tq, Tk) + bias).reshape(B, Hkv, rep * Tq, Tk)
-    p = fastmath.softmax(s, axis=-1)
-    return (p @ v).reshape(B, Hq, Tq, v.shape[-1])
+    s = q.reshape(B, Hkv, rep * Tq, D) @ k.swapaxes(-1, -2)
+    p = fused.scaled_softmax(s, scale, causal=causal, q_len=Tq, offset=Tk - Tq)
+    o = (p @ fused.contiguous(v)).reshape(B, Hq, Tq, v.shape[-1])
+    return fused.contiguous(o.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
 def _attention_mlx(q, k, v, scale, causal, mask, offset):
-    """The ``"auto"`` implementation: MLX's fused attention, or the fastmath form on the CPU."""
+    """The ``"auto"`` implementation: MLX's fused attention, or the fused-softmax form on the CPU."""
     m = _combined_mask(q, k, causal, mask, offset)
-    if (on_cpu() and fastmath.available() and q.dtype == k.dtype == v.dtype == mx.float32
-            and not isinstance(m, mx.array)):
-        return _attention_fastmath(q, k, v, scale, m == "causal")
+    if fused_cpu(q, k, v) and not isinstance(m, mx.array):
+        return _attention_fused(q, k, v, scale, m == "causal")
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
 
 
@@ -130,11 +132,11 @@ def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=Non
 
     * ``"reference"``: `attention_reference`.
     * ``"auto"``: ``mx.fast.scaled_dot_product_attention``. On the CPU backend, for float32 inputs
-      without a mask array and while the fastmath extension is available, the form of
-      `_attention_fastmath` (two matrix products around `metalnn.fastmath.softmax`) instead:
-      ``python scripts/bench_kernels.py --ops attention`` (q ``[2, 8, 256, 64]``, 2 kv heads,
-      causal) measured it 8-17x faster forward and 4-8x faster forward+backward than MLX's CPU
-      attention (2-core x86_64, shared machine, several runs).
+      without a mask array and while the native extension is available, the form of
+      `_attention_fused` (two matrix products around `metalnn.fused.scaled_softmax`) instead:
+      ``python scripts/bench_kernels.py --ops attention --cpu-time`` (q ``[2, 8, 256, 64]``, 2 kv
+      heads, causal, one thread) measured about 7x less CPU time forward and 3.5x less
+      forward+backward than MLX's CPU attention (2-core x86_64, shared machine).
     * ``"metal"``/``"emulate"``: the fused kernels of `metalnn.kernels.attention` for the calls its
       ``supports`` accepts (no mask array, ``head_dim <= 256``, non-empty); otherwise ``"auto"``.
     """

@@ -15,11 +15,14 @@ Implementation by ``device.kernels`` (every path is differentiable with ``mx.gra
 * ``"auto"``: MLX's ``mx.conv_general`` (channels moved last and back), except where MLX cannot
   (grouped 3-D convolutions; transposed convolutions with ``output_padding > padding``, whose MLX
   input gradient has the wrong shape in MLX 0.32), which run the CPU path below. On the CPU backend
-  every convolution runs the CPU path (`conv_im2col.conv_cpu` / ``conv_transpose_cpu``: im2col +
-  GEMM with a hand-written backward). ``python scripts/bench_kernels.py --ops conv2d,conv_transpose2d``
-  against ``mx.conv_general`` with MLX autodiff (2-core x86_64, shared machine, several runs):
-  conv2d (batch 16, 32 -> 64 channels, 32x32, 3x3) forward on par, forward+backward 2-8x faster;
-  conv_transpose2d (64 -> 32 channels, 16x16, 4x4, stride 2) 4-8x forward, 4-15x forward+backward.
+  every convolution runs the CPU path (`conv_im2col.conv_cpu` / ``conv_transpose_cpu``:
+  ``W @ im2col(x)`` and ``col2im(W^T @ x)`` with `metalnn.im2col`'s native multi-threaded
+  primitives, each the other's VJP, so forward and backward are GEMMs plus one im2col or col2im
+  each). One thread, CPU time (``scripts/bench_kernels.py --ops conv2d,conv_transpose2d
+  --cpu-time``): conv2d (batch 16, 32 -> 64 channels, 32x32, 3x3) forward+backward 1.8x less than
+  ``mx.conv_general`` with MLX autodiff, conv_transpose2d (64 -> 32 channels, 16x16, 4x4, stride 2)
+  about 40x less; ``python scripts/bench_conv.py`` compares conv2d with PyTorch's CPU convolution
+  (README, "Speed on Linux CPU").
 * ``"metal"``/``"emulate"``: the implicit-GEMM kernels of `metalnn.kernels.conv` (every
   convolution of one float dtype with no empty axis); otherwise ``"auto"``.
 
@@ -193,7 +196,7 @@ def conv_nd(n, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, 
     elif not on_cpu() and mlx_conv_supports(n, groups):
         y = conv_mlx(x, weight, stride, padding, dilation, groups)
     else:
-        y = conv_cpu(x, weight, stride, padding, dilation, groups, out)
+        return conv_cpu(x, weight, bias, stride, padding, dilation, groups, out)
     return _add_bias(y, bias, n)
 
 
@@ -216,7 +219,7 @@ def conv_transpose_nd(n, x, weight, bias=None, stride=1, padding=0, output_paddi
     elif not on_cpu() and mlx_conv_supports(n, groups, padding, output_padding):
         y = conv_transpose_mlx(x, weight, *args)
     else:
-        y = conv_transpose_cpu(x, weight, *args, out)
+        return conv_transpose_cpu(x, weight, bias, *args, out)
     return _add_bias(y, bias, n)
 
 

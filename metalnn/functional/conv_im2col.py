@@ -1,31 +1,25 @@
-"""Convolutions in plain MLX ops (channels-first, PyTorch layouts), 1 to 3 spatial axes.
+"""Convolutions as im2col + GEMM (channels-first, PyTorch layouts), 1 to 3 spatial axes.
 
-Two implementations on the same building blocks (arguments already validated and normalised to
-``n``-tuples by `metalnn.functional.conv`; ``out`` is the output's spatial shape):
+Two implementations (arguments already validated and normalised to ``n``-tuples by
+`metalnn.functional.conv`; ``out`` is the output's spatial shape), both differentiated by MLX:
 
-* the reference (`conv_reference`, `conv_transpose_reference`): im2col (strided slices of the
-  padded input, stacked) and one batched GEMM; the transposed convolution is the same convolution
-  of the zero-inserted, padded input with the flipped weight. MLX differentiates them.
-* the CPU path (`conv_cpu`, `conv_transpose_cpu`): the same forward GEMM, with a hand-written
-  backward in ``mx.custom_function`` (built once per geometry):
-
-  - ``conv``'s input gradient is ``conv_transpose`` of the output gradient, and
-    ``conv_transpose``'s input gradient is ``conv`` of the output gradient (the two ops are
-    adjoint for the same weight tensor);
-  - ``conv_transpose`` itself runs as one GEMM ``W^T @ pad(x)`` (on the zero-inserted input when
-    stride > 1) followed by a sum of ``prod(kernel)`` shifted *views* of the product (a "gather"
-    col2im: no scatter, no per-offset padding);
-  - weight gradients are one batched GEMM against the im2col matrix (kept from the forward pass
-    for ``conv``; built from the output gradient for ``conv_transpose``).
+* the reference (`conv_reference`, `conv_transpose_reference`): im2col from strided slices of
+  the padded input, stacked, and one batched GEMM; the transposed convolution is the same
+  convolution of the zero-inserted, padded input with the flipped weight. Plain MLX ops only.
+* the CPU path (`conv_cpu`, `conv_transpose_cpu`): `metalnn.im2col`'s native primitives
+  (multi-threaded data movement; MLX-op fallbacks without the extension) around one batched
+  GEMM: ``conv = W @ im2col(x)``, ``conv_transpose = col2im(W^T @ x)``. Each primitive's VJP is
+  the other, so forward and backward are GEMMs plus one im2col or col2im each.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
 
 import mlx.core as mx
+
+from ..im2col import col2im, im2col
 
 __all__ = ["conv_reference", "conv_transpose_reference", "conv_cpu", "conv_transpose_cpu"]
 
@@ -93,48 +87,6 @@ def _conv_forward(x, weight, stride, padding, dilation, groups, out):
     return y.reshape(n, o, *out), cols
 
 
-def _conv_transpose_forward(x, weight, stride, padding, dilation, groups, out):
-    """Transposed conv as ``W^T @ pad(zero_insert(x))`` + a sum of shifted views.
-
-    ``weight`` is ``[C, O/G, *k]``; ``out`` the output spatial shape (output_padding included).
-    """
-    n, c = x.shape[:2]
-    og = weight.shape[1]
-    o = og * groups
-    kernel = tuple(weight.shape[2:])
-    K = math.prod(kernel)
-    xs = _zero_insert(x, stride)
-    # xpad[q] = xs[q - lo] with lo = d(k-1) - p; length out + d(k-1).
-    lohi = []
-    for size, k, p, d, so in zip(xs.shape[2:], kernel, padding, dilation, out):
-        lo = d * (k - 1) - p
-        hi = so + d * (k - 1) - size - lo
-        lohi.append((lo, hi))
-    xp = _pad_or_crop(xs, lohi)
-    qshape = tuple(xp.shape[2:])
-    xm = xp.reshape(n, groups, c // groups, math.prod(qshape))
-    # [G, C/G, O/G*K] -> transposed: [G, O/G*K, C/G]
-    wt = weight.reshape(groups, c // groups, og * K).swapaxes(1, 2)
-    prod = (wt @ xm).reshape(n, o, K, *qshape)
-    y = None
-    for ki, offs in enumerate(itertools.product(*[range(k) for k in kernel])):
-        idx = [slice(None), slice(None), ki]
-        for off, k, d, so in zip(offs, kernel, dilation, out):
-            start = d * (k - 1 - off)
-            idx.append(slice(start, start + so))
-        v = prod[tuple(idx)]
-        y = v if y is None else y + v
-    return y
-
-
-def _weight_grad(a, cols, weight_shape, groups):
-    """``sum_n a[n] @ cols[n]^T`` per group: a ``[N, A, P]``, cols ``[N, G, B, P]`` -> ``[G, A/G, B]``."""
-    n = a.shape[0]
-    am = a.reshape(n, groups, a.shape[1] // groups, -1)
-    g = (am @ cols.swapaxes(2, 3)).sum(axis=0)
-    return g.reshape(weight_shape)
-
-
 # ----------------------------------------------------------------------------------------------
 # reference: plain ops, MLX autodiff
 # ----------------------------------------------------------------------------------------------
@@ -161,50 +113,57 @@ def conv_transpose_reference(x, weight, stride, padding, output_padding, dilatio
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU path: hand-written backward
+# CPU path: native im2col / col2im + GEMM, MLX autodiff
 # ----------------------------------------------------------------------------------------------
-@lru_cache(maxsize=256)
-def _conv_function(stride, padding, dilation, groups, out, in_spatial):
-    @mx.custom_function
-    def conv(x, weight):
-        return _conv_forward(x, weight, stride, padding, dilation, groups, out)
-
-    @conv.vjp
-    def conv_vjp(primals, cotangents, outputs):
-        x, weight = primals
-        dy = cotangents[0]
-        cols = outputs[1]
-        # Input gradient: the adjoint op, sized back to the input (output_padding absorbs the floor).
-        dx = _conv_transpose_forward(dy, weight, stride, padding, dilation, groups, in_spatial)
-        dw = _weight_grad(dy.reshape(dy.shape[0], dy.shape[1], -1), cols, weight.shape, groups)
-        return dx.astype(x.dtype), dw.astype(weight.dtype)
-
-    return conv
+def _add_bias(y, bias):
+    """``y [N, O, L] + bias[O]`` as ``y + bias[:, None] @ ones[1, L]``: the same sum, but the bias
+    gradient becomes a sum over N of ``[O, L]`` rows and a matrix-vector product, about 2x faster
+    on the CPU than MLX's reduction of the broadcast over the N and L axes."""
+    if bias is None:
+        return y
+    ones = mx.ones((1, y.shape[-1]), dtype=y.dtype)
+    return y + bias.astype(y.dtype)[:, None] @ ones
 
 
-@lru_cache(maxsize=256)
-def _conv_transpose_function(stride, padding, dilation, groups, out, in_spatial):
-    @mx.custom_function
-    def tconv(x, weight):
-        return _conv_transpose_forward(x, weight, stride, padding, dilation, groups, out)
+def conv_cpu(x, weight, bias, stride, padding, dilation, groups, out):
+    """``y [N, O, *out]`` of ``x [N, C, *S]``, ``weight [O, C/G, *k]`` and ``bias [O]`` (or None):
+    ``W @ im2col(x) + bias``.
 
-    @tconv.vjp
-    def tconv_vjp(primals, cotangents, output):
-        x, weight = primals
-        dy = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
-        # dx = conv(dy, W) (W read as a conv weight [C, O/G, *k] mapping O -> C channels).
-        dx, cols = _conv_forward(dy, weight, stride, padding, dilation, groups, in_spatial)
-        dw = _weight_grad(x.reshape(x.shape[0], x.shape[1], -1), cols, weight.shape, groups)
-        return dx.astype(x.dtype), dw.astype(weight.dtype)
-
-    return tconv
-
-
-def conv_cpu(x, weight, stride, padding, dilation, groups, out):
-    """As `conv_reference`, with the hand-written backward."""
-    return _conv_function(stride, padding, dilation, groups, tuple(out), tuple(x.shape[2:]))(x, weight)[0]
+    The backward (MLX autodiff) is two GEMMs and one `col2im` (the VJP of `im2col`).
+    """
+    n, c = x.shape[:2]
+    o = weight.shape[0]
+    kernel = tuple(weight.shape[2:])
+    cols = im2col(x, kernel, stride=stride, padding=padding, dilation=dilation)  # [N, C*K, L]
+    if groups == 1:
+        y = weight.reshape(o, -1) @ cols
+    else:
+        cols = cols.reshape(n, groups, -1, cols.shape[-1])
+        y = weight.reshape(groups, o // groups, -1) @ cols
+    return _add_bias(y.reshape(n, o, -1), bias).reshape(n, o, *out)
 
 
-def conv_transpose_cpu(x, weight, stride, padding, output_padding, dilation, groups, out):
-    """As `conv_transpose_reference`, with the hand-written backward (``output_padding`` is in ``out``)."""
-    return _conv_transpose_function(stride, padding, dilation, groups, tuple(out), tuple(x.shape[2:]))(x, weight)
+def conv_transpose_cpu(x, weight, bias, stride, padding, output_padding, dilation, groups, out):
+    """``y [N, O, *out]`` of ``x [N, C, *S]``, ``weight [C, O/G, *k]`` and ``bias [O]`` (or None):
+    ``col2im(W^T @ x) + bias``.
+
+    No zero insertion: the product's columns are the input positions and `col2im` scatters
+    each one to its window of the output (``out`` includes ``output_padding``). When
+    ``output_padding >= stride`` (allowed below the dilation) the output holds ``output_padding //
+    stride`` more window positions than the input has; the input is zero-padded to match.
+    """
+    extra = [op // s for op, s in zip(output_padding, stride)]
+    if any(extra):
+        x = mx.pad(x, [(0, 0), (0, 0)] + [(0, e) for e in extra])
+    n, c = x.shape[:2]
+    og = weight.shape[1]
+    kernel = tuple(weight.shape[2:])
+    K = math.prod(kernel)
+    wt = weight.reshape(groups, c // groups, og * K).swapaxes(1, 2)  # [G, O/G*K, C/G]
+    if groups == 1:
+        cols = wt[0] @ x.reshape(n, c, -1)
+    else:
+        cols = wt @ x.reshape(n, groups, c // groups, -1)
+    cols = cols.reshape(n, og * groups * K, -1)  # [N, O*K, L_in]
+    y = col2im(cols, out, kernel, stride=stride, padding=padding, dilation=dilation)
+    return _add_bias(y.reshape(n, og * groups, -1), bias).reshape(y.shape)

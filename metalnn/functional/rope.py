@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import fused
 from ..device import resolve
 from ..kernels import rope as kernels
 from ..op_math import rope_frequencies
-from ._dispatch import emulator_options, kernel_backend, on_cpu
+from ._dispatch import emulator_options, fused_cpu, kernel_backend, on_cpu
 from .rope_table import rope_cached
 
 __all__ = ["rope", "rope_reference", "rope_frequencies"]
@@ -57,12 +58,15 @@ def rope(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: 
     """Rotary position embedding of ``x`` ``[..., T, D]``; same semantics as ``mx.fast.rope``.
 
     Differentiable in ``x``. Implementation by ``device.kernels``: ``"reference"`` `rope_reference`;
-    ``"auto"`` ``mx.fast.rope``, except on the CPU backend with an int ``offset``, where
-    `metalnn.functional.rope_table.rope_cached` stands in (cached sine/cosine tables; one ``[D, D]``
-    product per call when decoding): MLX's CPU ``mx.fast.rope`` rebuilds a ~30-op graph per call,
-    which made up about a fifth of a SmolLM2 decode step (``python scripts/bench_generate.py``,
-    2-core x86_64, shared machine); ``"metal"``/``"emulate"`` the kernel of `metalnn.kernels.rope`
-    (float32/float16/bfloat16, non-empty), else ``"auto"``.
+    ``"auto"`` ``mx.fast.rope``, on the CPU backend for float32 with an int offset
+    `metalnn.fused.rope` (one multi-threaded pass that also makes the result row-contiguous, e.g.
+    for the transposed view of split heads, and stores the gradient in the input's memory order;
+    ``scripts/bench_kernels.py --ops rope --cpu-time``, one thread, ``[4, 16, 512, 128]``: about 4x
+    less CPU time forward+backward than ``mx.fast.rope``), and for other float dtypes with an int
+    ``offset >= 0`` `metalnn.functional.rope_table.rope_cached` (cached sine/cosine tables; one
+    ``[D, D]`` product per call when decoding: MLX's CPU ``mx.fast.rope`` rebuilds a ~30-op graph per
+    call); ``"metal"``/``"emulate"`` the kernel of
+    `metalnn.kernels.rope` (float32/float16/bfloat16, non-empty), else ``"auto"``.
     """
     device = resolve(device)
     if x.ndim < 2:
@@ -74,6 +78,8 @@ def rope(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: 
     backend = kernel_backend(device)
     if backend and kernels.supports(x, dims):
         return kernels.rope(x, dims, traditional, base, scale, offset, freqs, backend, emulator_options(device))
+    if fused_cpu(x) and isinstance(offset, int) and x.size:
+        return fused.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
     if (on_cpu() and isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0
             and mx.issubdtype(x.dtype, mx.floating)):
         return rope_cached(x, dims, traditional, base, scale, offset, freqs)

@@ -12,7 +12,6 @@ Qwen3.5), partial rotary dimensions (``rope_dims``), a sigmoid output gate produ
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 

@@ -92,7 +92,7 @@ class MLP(Layer):
         up = self.compile_child("up_proj", self.up_proj, device, data).array
         if self.is_gated:
             gate = self.compile_child("gate_proj", self.gate_proj, device, data).array
-            h = F.activation(gate, self.gate_activation, device=device) * up
+            h = F.gated_activation(gate, up, self.gate_activation, device=device)
         else:
             h = F.activation(up, self.activation, device=device)
         h = self.compile_child("dropout", self.dropout, device, Data(h, data.dims._replace(W=self.hidden_dims)))

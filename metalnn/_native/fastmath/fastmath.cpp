@@ -24,6 +24,7 @@
 #include "im2col.h"
 #include "kernels.h"
 #include "qmatmul.h"
+#include "train_ops.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -804,6 +805,7 @@ NB_MODULE(_fastmath, m) {
   });
   register_im2col(m);
   register_qmatmul(m);
+  register_train_ops(m);
   m.attr("mlx_version") = METALNN_MLX_VERSION;
   m.attr("build_tag") = metalnn_fastmath_build_tag;
 }

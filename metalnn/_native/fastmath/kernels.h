@@ -359,7 +359,7 @@ FM_INLINE float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-FM_TARGET void softmax_row_avx2(const float* x, float* y, size_t n) {
+FM_TARGET inline void softmax_row_avx2(const float* x, float* y, size_t n) {
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   // pass 1: max (NaN-propagating via an unordered flag)
   __m256 vm0 = ninf, vm1 = ninf;
@@ -421,7 +421,7 @@ FM_TARGET void softmax_row_avx2(const float* x, float* y, size_t n) {
   }
 }
 
-FM_TARGET void softmax_grad_row_avx2(
+FM_TARGET inline void softmax_grad_row_avx2(
     const float* y, const float* g, float* out, size_t n) {
   __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
   size_t i = 0;
