@@ -34,11 +34,15 @@ def cross_entropy(logits, targets, ignore_index: int | None = None, reduction: s
     if resolve(device).kernels != "reference" and fused_cpu(logits):
         loss = fused.cross_entropy(logits, safe, label_smoothing)
     else:
-        lse = mx.logsumexp(logits, axis=-1)
-        picked = mx.take_along_axis(logits, safe[..., None].astype(mx.int32), axis=-1)[..., 0]
+        # differences with each row's max first, as torch's log_softmax: lse - x[t] formed as
+        # lse(x - m) - (x[t] - m) stays exact to float32 rounding for large logits
+        m = mx.stop_gradient(mx.max(logits, axis=-1, keepdims=True))
+        shifted = logits - mx.where(mx.isinf(m), 0, m)
+        lse = mx.logsumexp(shifted, axis=-1)
+        picked = mx.take_along_axis(shifted, safe[..., None].astype(mx.int32), axis=-1)[..., 0]
         loss = lse - picked
         if label_smoothing:
-            loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mx.mean(logits, axis=-1))
+            loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mx.mean(shifted, axis=-1))
     if ignore_index is not None:
         keep = (targets != ignore_index)
         loss = mx.where(keep, loss, 0.0)

@@ -104,21 +104,25 @@ TK_BODY void rope_row_body(
 // Portable versions of the exp-based rows
 // ---------------------------------------------------------------------------
 
-inline float lse_row_scalar(const float* x, int64_t n) {
+// log(sum(exp(x))) of a row in two parts: returns log(sum(exp(x - max))) and stores the max in
+// *m_out (so a caller can form differences with the row's values before adding the max back).
+// A row with a NaN: NaN for both; a row whose max is infinite: 0 and the max.
+inline float lse_row_scalar(const float* x, int64_t n, float* m_out) {
   float m = -INFINITY;
   bool nan = false;
   for (int64_t i = 0; i < n; ++i) {
     nan |= x[i] != x[i];
     m = std::fmax(m, x[i]);
   }
+  *m_out = nan ? NAN : m;
   if (nan) return NAN;
-  if (std::isinf(m)) return m;  // all -inf: -inf; any +inf: +inf
+  if (std::isinf(m)) return 0.0f;  // all -inf: -inf; any +inf: +inf
   float s = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     const float d = x[i] - m;
     s += d < metalnn_fastmath::kExpLoNormal ? 0.0f : metalnn_fastmath::exp_s(d);
   }
-  return m + std::log(s);
+  return std::log(s);
 }
 
 // out = g * (exp(x - lse) - hot * [i == t] - cold)
@@ -163,7 +167,7 @@ using metalnn_fastmath::hmax8;
 using metalnn_fastmath::hsum8;
 using metalnn_fastmath::tail_mask;
 
-FM_TARGET inline float lse_row_avx2(const float* x, int64_t n) {
+FM_TARGET inline float lse_row_avx2(const float* x, int64_t n, float* m_out) {
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   __m256 vm = ninf, nan_acc = _mm256_setzero_ps();
   int64_t i = 0;
@@ -178,9 +182,13 @@ FM_TARGET inline float lse_row_avx2(const float* x, int64_t n) {
     vm = _mm256_max_ps(vm, a);
     nan_acc = _mm256_or_ps(nan_acc, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
   }
-  if (_mm256_movemask_ps(nan_acc)) return NAN;
+  if (_mm256_movemask_ps(nan_acc)) {
+    *m_out = NAN;
+    return NAN;
+  }
   const float m = hmax8(vm);
-  if (std::isinf(m)) return m;
+  *m_out = m;
+  if (std::isinf(m)) return 0.0f;
   const __m256 vmax = _mm256_set1_ps(m);
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   i = 0;
@@ -193,7 +201,7 @@ FM_TARGET inline float lse_row_avx2(const float* x, int64_t n) {
     __m256 a = exp8_ftz(_mm256_sub_ps(_mm256_maskload_ps(x + i, tm), vmax));
     s0 = _mm256_add_ps(s0, _mm256_and_ps(a, _mm256_castsi256_ps(tm)));
   }
-  return m + std::log(hsum8(_mm256_add_ps(s0, s1)));
+  return std::log(hsum8(_mm256_add_ps(s0, s1)));
 }
 
 FM_TARGET inline void ce_grad_row_avx2(

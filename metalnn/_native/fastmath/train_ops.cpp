@@ -842,11 +842,15 @@ Arrays gated_vjp_op(Kind k, const mx::array& a, const mx::array& b, const mx::ar
 
 Arrays cross_entropy_mlx(const mx::array& x, const mx::array& t, float ls, mx::Stream s) {
   using namespace mlx::core;
-  auto lse = logsumexp(x, -1, false, s);
-  auto picked = squeeze(take_along_axis(x, expand_dims(astype(t, int32, s), -1, s), -1, s), -1, s);
-  auto loss = subtract(lse, multiply(array(1.0f - ls), picked, s), s);
-  if (ls != 0.0f) loss = subtract(loss, multiply(array(ls), mean(x, -1, false, s), s), s);
-  return {loss, lse};
+  // differences with the row's max first (see CrossEntropy::eval_cpu)
+  auto m = stop_gradient(max(x, -1, true, s), s);
+  m = where(isinf(m, s), array(0.0f), m, s);
+  auto xs = subtract(x, m, s);
+  auto lse_s = logsumexp(xs, -1, false, s);
+  auto picked = squeeze(take_along_axis(xs, expand_dims(astype(t, int32, s), -1, s), -1, s), -1, s);
+  auto loss = subtract(lse_s, multiply(array(1.0f - ls), picked, s), s);
+  if (ls != 0.0f) loss = subtract(loss, multiply(array(ls), mean(xs, -1, false, s), s), s);
+  return {loss, add(lse_s, squeeze(m, -1, s), s)};
 }
 
 Arrays cross_entropy_vjp_op(const mx::array& x, const mx::array& t, const mx::array& lse, const mx::array& g,
@@ -877,17 +881,24 @@ class CrossEntropy : public NativeOp {
       metalnn_native::parallel_for(rows, grain_rows(n), [&](size_t r0, size_t r1) {
         for (size_t r = r0; r < r1; ++r) {
           const float* row = px + r * n;
+          float m;
 #if METALNN_FM_X86
-          const float l = v ? metalnn_train::lse_row_avx2(row, n) : metalnn_train::lse_row_scalar(row, n);
+          const float log_s = v ? metalnn_train::lse_row_avx2(row, n, &m) : metalnn_train::lse_row_scalar(row, n, &m);
 #else
-          const float l = metalnn_train::lse_row_scalar(row, n);
+          const float log_s = metalnn_train::lse_row_scalar(row, n, &m);
 #endif
+          const float l = m + log_s;
           const int64_t ti = pt[r];
           const float picked = ti >= 0 && ti < n ? row[ti] : NAN;
-          float out = l - (1.0f - ls) * picked;
+          // lse - (1 - ls) x[t] - ls mean(x), formed from differences with the row's max m as
+          // torch's log_softmax does: log_s - (1 - ls)(x[t] - m) - ls mean(x - m), exact to float32
+          // rounding for large logits (1000 + log 2 - 1000 would lose 4 of float32's 7 digits)
+          const bool finite = std::isfinite(m);
+          const float shift = finite ? m : 0.0f;
+          float out = (finite ? log_s : l) - (1.0f - ls) * (picked - shift);
           if (ls != 0.0f) {
             float sum = 0.0f;
-            for (int64_t i = 0; i < n; ++i) sum += row[i];
+            for (int64_t i = 0; i < n; ++i) sum += row[i] - shift;
             out -= ls * (sum / static_cast<float>(n));
           }
           pe[r] = l;
