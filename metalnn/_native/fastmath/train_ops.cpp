@@ -32,6 +32,10 @@
 #include "threadpool.h"
 #include "train_kernels.h"
 
+#ifndef FM_TARGET
+#define FM_TARGET  // off x86 the "<true>" (AVX2) instances below are the portable code again
+#endif
+
 namespace mx = mlx::core;
 namespace nb = nanobind;
 using metalnn_fastmath::Kind;
@@ -170,13 +174,11 @@ void rms_fwd_rows<false>(const float* x, const float* w, float* y, size_t r0, si
   for (size_t r = r0; r < r1; ++r) metalnn_train::rms_row_body(x + r * n, w, y + r * n, n, eps);
 }
 
-#if METALNN_FM_X86
 template <>
 FM_TARGET void rms_fwd_rows<true>(const float* x, const float* w, float* y, size_t r0, size_t r1, int64_t n,
                                   float eps) {
   for (size_t r = r0; r < r1; ++r) metalnn_train::rms_row_body(x + r * n, w, y + r * n, n, eps);
 }
-#endif
 
 template <bool AVX>
 void rms_bwd_rows(const float* x, const float* w, const float* g, float* dx, float* dw, float* gw, size_t r0,
@@ -189,14 +191,12 @@ void rms_bwd_rows<false>(const float* x, const float* w, const float* g, float* 
     metalnn_train::rms_grad_row_body(x + r * n, w, g + r * n, dx + r * n, dw, gw, n, eps);
 }
 
-#if METALNN_FM_X86
 template <>
 FM_TARGET void rms_bwd_rows<true>(const float* x, const float* w, const float* g, float* dx, float* dw, float* gw,
                                   size_t r0, size_t r1, int64_t n, float eps) {
   for (size_t r = r0; r < r1; ++r)
     metalnn_train::rms_grad_row_body(x + r * n, w, g + r * n, dx + r * n, dw, gw, n, eps);
 }
-#endif
 
 bool avx2() {
 #if METALNN_FM_X86
@@ -477,13 +477,11 @@ void rope_rows<false>(const mx::array& x, mx::array& out, const float* cs, const
   METALNN_ROPE_ROWS_BODY
 }
 
-#if METALNN_FM_X86
 template <>
 FM_TARGET void rope_rows<true>(const mx::array& x, mx::array& out, const float* cs, const float* sn, int64_t T,
                                int64_t half, size_t r0, size_t r1, bool trad, float* buf) {
   METALNN_ROPE_ROWS_BODY
 }
-#endif
 #undef METALNN_ROPE_ROWS_BODY
 
 class Rope : public NativeOp {
@@ -1345,19 +1343,11 @@ void adam_range<false>(const float* p, const float* g, const float* m, const flo
   adam_body(p, g, m, v, po, mo, vo, c, i0, i1);
 }
 
-#if METALNN_FM_X86
 template <>
 FM_TARGET void adam_range<true>(const float* p, const float* g, const float* m, const float* v, float* po,
                                 float* mo, float* vo, const AdamCoef& c, size_t i0, size_t i1) {
   adam_body(p, g, m, v, po, mo, vo, c, i0, i1);
 }
-#else
-template <>
-void adam_range<true>(const float* p, const float* g, const float* m, const float* v, float* po, float* mo,
-                      float* vo, const AdamCoef& c, size_t i0, size_t i1) {
-  adam_body(p, g, m, v, po, mo, vo, c, i0, i1);
-}
-#endif
 
 
 class AdamWUpdate : public NativeOp {
