@@ -224,6 +224,21 @@ def test_chunk_matches_recurrent(T):
             np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
+@pytest.mark.parametrize("T", [1, 37, 70])
+def test_forward_matches_mlx_fast_gated_delta_update(mode, T):
+    """MLX's own op (``mx.fast.gated_delta_update``: decay in linear space, state stored [B, Hv, V, K],
+    q taken as given) as a second, independent oracle of the forward pass: grouped heads, an initial
+    state, lengths below and across the chunk size. Both are float32 sums of a few hundred terms of
+    order 1 per element, so 1e-5 absolute / 1e-4 relative leaves room for rounding only."""
+    inputs, _, _ = make_inputs(2, T, 2, 4, 32, 16, seed=T)
+    q, k, v, g, beta, h0 = (mx.array(x.numpy()) for x in inputs)
+    o, ht = F.gated_delta_rule(q, k, v, g, beta, initial_state=h0, mode=mode, scale=1.0, device=reference())
+    o_mlx, ht_mlx = mx.fast.gated_delta_update(q, k, v, mx.exp(g), beta, h0.transpose(0, 1, 3, 2))
+    np.testing.assert_allclose(np.array(o), np.array(o_mlx), atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.array(ht), np.array(ht_mlx.transpose(0, 1, 3, 2)), atol=1e-5, rtol=1e-4)
+
+
 def test_state_carries_across_calls():
     """Running two halves with the state passed along equals one call (reference and kernel)."""
     inputs, _, _ = make_inputs(1, 10, 1, 1, 8, 4, seed=11)
