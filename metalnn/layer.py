@@ -102,7 +102,11 @@ class Layer(nn.Module):
             out_dims[:] = [out.dims]
             return out.array
 
-        y = mx.checkpoint(inner)(self.trainable_parameters(), data.array)
+        # Every parameter is an input, frozen ones included: values computed from a closure's
+        # constants alone (a dequantized weight, say) would be merged by mx.compile with the
+        # forward's copies, which then stay alive until the backward (measured on SmolLM2 QLoRA:
+        # 11 MiB kept per block instead of 1). Gradients of frozen parameters are never evaluated.
+        y = mx.checkpoint(inner)(self.parameters(), data.array)
         return Data(y, out_dims[0])
 
     def build(self, device: Device, dims: MTLSize, dtype) -> None:

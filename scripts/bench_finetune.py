@@ -16,7 +16,7 @@ work slows all of them alike; ratios are against PEFT. Memory: each configuratio
 alone in a fresh child process, which reports its peak resident memory above what it held after
 its imports (weights, activations, gradients and optimizer state; the same measure for both
 frameworks), and for metalnn MLX's own ``mx.get_peak_memory``. A fourth configuration, QLoRA with
-gradient checkpointing, is measured for memory too.
+gradient checkpointing, is timed and measured alike.
 
     python scripts/bench_finetune.py [--batch 2] [--seq 256] [--steps 3] [--rounds 3]
 """
@@ -197,7 +197,7 @@ def main(argv=None):
         print(f"SmolLM2-135M-Instruct, LoRA rank {RANK} on {'/'.join(TARGETS)} of all 30 blocks, batch "
               f"{args.batch} x {args.seq} tokens; torch threads {torch.get_num_threads()}, "
               f"{os.cpu_count()} CPUs (timings on a machine shared with other work: compare ratios)", flush=True)
-        runs = {c: make_run(c, gguf, folder, tokens) for c in ("qlora", "lora", "peft")}
+        runs = {c: make_run(c, gguf, folder, tokens) for c in ("qlora", "qlora-ckpt", "lora", "peft")}
         for run in runs.values():
             run.step()  # build, compile, allocate
         times = {c: [] for c in runs}
