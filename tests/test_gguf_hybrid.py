@@ -15,6 +15,7 @@ and the same 2e-4 holds.
 
 import os
 
+import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -22,7 +23,6 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
-import gguf
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError, WeightLoadError
@@ -99,7 +99,7 @@ def test_greedy_generation_matches_transformers(arch, float_files):
 
 
 def test_config_read_from_the_metadata(float_files):
-    hf, path = float_files["qwen3next"]
+    _, path = float_files["qwen3next"]
     cfg = mn.models.gguf.read_checkpoint(path).config
     want = dict(layer_types=["linear_attention", "full_attention", "linear_attention"], partial_rotary_factor=0.5,
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
