@@ -67,36 +67,53 @@ def _strip_attr(m):
     return ""
 
 
-def mask_comments_and_strings(text: str):
-    """Blank comments (keeping newlines) and replace string/char literals by placeholders.
-
-    Returns ``(masked_text, literals)``; `unmask` puts the literals back.
-    """
-    out, literals = [], []
+def lexical_spans(text: str):
+    """Comments and string/char literals of C++ text, in order: ``(kind, start, end)`` with kind
+    ``"comment"`` (``//`` to the end of the line, or ``/* ... */``) or ``"literal"`` (quotes
+    included; an unterminated one ends at the end of its line). Everything between spans is code."""
     i, n = 0, len(text)
     while i < n:
         c = text[i]
         if text.startswith("//", i):
             j = text.find("\n", i)
             j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
+            yield "comment", i, j
         elif text.startswith("/*", i):
             j = text.find("*/", i + 2)
             j = n if j < 0 else j + 2
-            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
-            i = j
+            yield "comment", i, j
         elif c in "\"'":
             j = i + 1
             while j < n and text[j] != c and text[j] != "\n":
                 j += 2 if text[j] == "\\" else 1
             j = min(j + 1, n)
+            yield "literal", i, j
+        else:
+            i += 1
+            continue
+        i = j
+
+
+def blank(piece: str) -> str:
+    """``piece`` with every character but newlines turned into a space."""
+    return "".join(ch if ch == "\n" else " " for ch in piece)
+
+
+def mask_comments_and_strings(text: str):
+    """Blank comments (keeping newlines) and replace string/char literals by placeholders.
+
+    Returns ``(masked_text, literals)``; `unmask` puts the literals back.
+    """
+    out, literals, at = [], [], 0
+    for kind, i, j in lexical_spans(text):
+        out.append(text[at:i])
+        if kind == "comment":
+            out.append(blank(text[i:j]))
+        else:
             out.append(f"\x00{len(literals)}\x00")
             literals.append(text[i:j])
-            i = j
-        else:
-            out.append(c)
-            i += 1
+        at = j
+    out.append(text[at:])
     return "".join(out), literals
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ._translate import blank, lexical_spans
+
 _RULES = [
     (re.compile(r"\bdouble\b"), "`double` is not supported by Metal (use float)"),
     (re.compile(r"\bstd\s*::"), "`std::` is not available in Metal (use metal:: functions)"),
@@ -49,31 +51,14 @@ _KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "catch", "declt
 
 
 def _strip(text: str) -> str:
-    """Blank out comments, string/char literals and preprocessor lines, keeping line structure."""
-    out = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
-            i = j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            j = min(j + 1, n)
-            out.append(c + " " * (j - i - 2) + (c if j - i >= 2 else ""))
-            i = j
-        else:
-            out.append(c)
-            i += 1
+    """Blank out comments and the insides of string/char literals, keeping every position."""
+    out, at = [], 0
+    for kind, i, j in lexical_spans(text):
+        piece = text[i:j]
+        out.append(text[at:i])
+        out.append(blank(piece) if kind == "comment" else piece[0] + blank(piece[1:-1]) + piece[-1:] * (j - i >= 2))
+        at = j
+    out.append(text[at:])
     return "".join(out)
 
 
