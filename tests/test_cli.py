@@ -241,6 +241,15 @@ def test_lora_trains_peft_adapters(tiny, tmp_path):
     # QLoRA: the same on 4-bit weights
     qlora = metalnn_cmd("lora", tiny, "--train", data, "--out", tmp_path / "qlora", "--steps", "2", "--quantize", "4")
     assert qlora.returncode == 0 and qlora.stdout.startswith("QLoRA:"), qlora.stderr
+    # with gradient checkpointing: the same gradients, so the same adapters (float32 recomputation: 1e-5)
+    ckpt = metalnn_cmd("lora", tiny, "--train", data, "--out", tmp_path / "qlora-ckpt", "--steps", "2", "--quantize",
+                       "4", "--grad-checkpoint")
+    assert ckpt.returncode == 0, ckpt.stderr
+    assert "gradient checkpointing: 2 blocks recomputed" in ckpt.stdout, ckpt.stdout
+    plain, recomputed = (mx.load(str(tmp_path / d / "adapter_model.safetensors")) for d in ("qlora", "qlora-ckpt"))
+    assert plain.keys() == recomputed.keys()
+    for name in plain:
+        np.testing.assert_allclose(np.array(recomputed[name]), np.array(plain[name]), atol=1e-5, err_msg=name)
 
 
 def test_bench(tiny):
