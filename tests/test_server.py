@@ -15,15 +15,14 @@ import threading
 import time
 import urllib.parse
 
+import openai
 import pytest
 
-openai = pytest.importorskip("openai", reason="the server tests need the openai client (the test extra)")
+import metalnn as mn
+from metalnn.text_generation import TextStream
 
-import metalnn as mn  # noqa: E402
-from metalnn.text_generation import TextStream  # noqa: E402
-
-from app_models import save_tiny_model  # noqa: E402
-from server_process import running_server  # noqa: E402
+from app_models import save_tiny_model
+from server_process import running_server
 
 MAX_BODY = 4096
 
