@@ -153,8 +153,9 @@ def _operand_end(text: str, i: int) -> int:
     return j
 
 
-def _balanced(text: str, i: int) -> int:
-    pairs = {"(": ")", "[": "]"}
+def matching_bracket(text: str, i: int) -> int:
+    """Index of the bracket closing the ``(``, ``[`` or ``{`` at ``i``, or -1 when it is never closed."""
+    pairs = {"{": "}", "(": ")", "[": "]"}
     stack = []
     for k in range(i, len(text)):
         ch = text[k]
@@ -163,8 +164,14 @@ def _balanced(text: str, i: int) -> int:
         elif stack and ch == stack[-1]:
             stack.pop()
             if not stack:
-                return k + 1
+                return k
     return -1
+
+
+def _balanced(text: str, i: int) -> int:
+    """End (one past the closing bracket) of the bracketed group at ``i``, or -1."""
+    k = matching_bracket(text, i)
+    return -1 if k < 0 else k + 1
 
 
 def _c_style_casts(text: str) -> str:

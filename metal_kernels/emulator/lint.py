@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ._translate import blank, lexical_spans
+from ._translate import blank, lexical_spans, matching_bracket
 
 _RULES = [
     (re.compile(r"\bdouble\b"), "`double` is not supported by Metal (use float)"),
@@ -73,17 +73,8 @@ def _no_preprocessor(text: str) -> str:
 
 def _matching(text: str, i: int) -> int:
     """Index of the bracket closing the one at ``i`` (``len(text)`` if none)."""
-    pairs = {"{": "}", "(": ")", "[": "]"}
-    stack = []
-    for k in range(i, len(text)):
-        ch = text[k]
-        if ch in pairs:
-            stack.append(pairs[ch])
-        elif stack and ch == stack[-1]:
-            stack.pop()
-            if not stack:
-                return k
-    return len(text)
+    k = matching_bracket(text, i)
+    return len(text) if k < 0 else k
 
 
 def _line(text: str, pos: int) -> int:
