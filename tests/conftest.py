@@ -5,7 +5,6 @@ import os
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import metalnn  # noqa: E402,F401
-import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -24,7 +23,3 @@ def device():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
-
-
-def to_np(a):
-    return np.array(a.astype(mx.float32)) if isinstance(a, mx.array) else np.asarray(a)

@@ -92,3 +92,12 @@ def relative_error(got, want):
     """``max |got - want| / max |want|``."""
     want = np.asarray(want, np.float64)
     return max_error(got, want) / max(float(np.abs(want).max()), 1e-30)
+
+
+def small_chunks(model, size=8):
+    """Run the chunked gated delta rule of every Gated DeltaNet block over ``size``-token chunks, so
+    short test prompts span several chunks."""
+    for block in model.model.layers:
+        if "linear_attn" in block:
+            block.linear_attn.chunk_size = size
+    return model

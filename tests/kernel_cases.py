@@ -122,3 +122,14 @@ def spy_launches(monkeypatch) -> Launches:
     monkeypatch.setattr(launch, "emulated_kernel", spying(launch.emulated_kernel))
     monkeypatch.setattr(launch, "metal_kernel", spying(launch.metal_kernel))
     return seen
+
+
+def vjp(fn, x, cot):
+    """The vector-Jacobian product of a one-input ``fn`` at ``x``."""
+    return mx.vjp(fn, [x], [cot])[1][0]
+
+
+def mlx_rope(x, dims, traditional=False, base=10000.0, scale=1.0, offset=0, freqs=None):
+    """MLX's own ``mx.fast.rope`` with `metalnn.functional.rope`'s arguments (the oracle)."""
+    return mx.fast.rope(x, dims, traditional=traditional, base=None if freqs is not None else base, scale=scale,
+                        offset=offset, freqs=freqs)

@@ -30,7 +30,7 @@ from metalnn.models import load_pretrained
 from metalnn.models.gguf import grouped_order
 
 from gguf_hybrid_files import quantizable, reorder_v_heads, write
-from hf_models import hf_greedy, hf_logits, hf_model, max_error, tokens
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, small_chunks, tokens
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,14 +49,6 @@ FAMILIES = {
                        moe_intermediate_size=32, shared_expert_intermediate_size=12, norm_topk_prob=True,
                        decoder_sparse_step=1)),
 }
-
-
-def small_chunks(model, size=8):
-    """Chunked rule over 8-token chunks, so a 20-token prompt spans three."""
-    for block in model.model.layers:
-        if "linear_attn" in block:
-            block.linear_attn.chunk_size = size
-    return model
 
 
 def _hf(arch, **overrides):

@@ -18,7 +18,7 @@ import metalnn as mn
 from metalnn import functional as F
 from metalnn.kernels import conv as conv_kernels
 
-from kernel_cases import CONV_CASES, spy_launches
+from kernel_cases import CONV_CASES, emulate, spy_launches
 
 KERNELS = {"conv2d_forward", "conv2d_dgrad", "conv2d_wgrad"}
 
@@ -26,12 +26,6 @@ KERNELS = {"conv2d_forward", "conv2d_dgrad", "conv2d_wgrad"}
 # different order (16-long chunks through 8x8 tile products, split-K partials), with values of
 # order 1-10 and at most ~100 terms per sum, so results differ by ~100 ulps of 10 (~1e-5) at most.
 TOL32 = 1e-4
-
-
-def emulate(**options):
-    device = mn.Device(kernels="emulate", emulator_options=options)
-    assert device.kernels == "emulate"
-    return device
 
 
 def _rand(shape, seed):

@@ -12,16 +12,7 @@ import metalnn as mn
 from metalnn import functional as F
 from metalnn.kernels import rope as rope_kernels
 
-from kernel_cases import ROPE_CASES as CASES, close, emulate, random, reference, spy_launches
-
-def vjp(fn, x, cot):
-    return mx.vjp(fn, [x], [cot])[1][0]
-
-
-def mlx_rope(x, dims, traditional=False, base=10000.0, scale=1.0, offset=0, freqs=None):
-    return mx.fast.rope(x, dims, traditional=traditional, base=None if freqs is not None else base, scale=scale,
-                        offset=offset, freqs=freqs)
-
+from kernel_cases import ROPE_CASES as CASES, close, emulate, mlx_rope, random, reference, spy_launches, vjp
 
 @pytest.mark.parametrize("path", ["emulate", "reference", "auto"])
 @pytest.mark.parametrize("shape,dims", CASES)

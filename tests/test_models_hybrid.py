@@ -28,7 +28,7 @@ from metalnn.errors import UnsupportedConfigError, WeightLoadError
 from metalnn.models import load_pretrained
 
 from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+                       relative_error, save_and_load, small_chunks, tokens)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,13 +49,6 @@ FAMILIES = {
                         decoder_sparse_step=1, mlp_only_layers=[2])),
 }
 CLASSES = {"qwen3_5": mn.models.Qwen3_5ForCausalLM, "qwen3_next": mn.models.Qwen3NextForCausalLM}
-
-
-def small_chunks(model, size=8):
-    for block in model.model.layers:
-        if "linear_attn" in block:
-            block.linear_attn.chunk_size = size
-    return model
 
 
 @pytest.fixture(scope="module")

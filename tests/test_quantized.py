@@ -23,6 +23,8 @@ import metalnn as mn
 from metalnn.layers.quantized import CPU_DEQUANTIZE_ROWS
 from metalnn.models import load_pretrained
 
+from hf_models import hf_logits
+
 transformers.logging.set_verbosity_error()
 
 
@@ -214,11 +216,6 @@ def _logits(model, tokens):
     return np.array(model(mx.array(tokens)).astype(mx.float32))
 
 
-def _hf_logits(hf, tokens):
-    with torch.no_grad():
-        return hf(torch.tensor(tokens)).logits.numpy()
-
-
 TOKENS = np.random.default_rng(0).integers(0, 160, (2, 9)).tolist()
 
 
@@ -231,14 +228,14 @@ def test_mlx_folder_matches_transformers_on_dequantized_weights(tmp_path):
     assert (down.bits, down.group_size) == (8, 64)
     assert isinstance(model.model.embed_tokens, mn.QuantizedEmbedding)
     assert type(model.lm_head) is mn.Linear
-    np.testing.assert_allclose(_logits(model, TOKENS), _hf_logits(hf, TOKENS), atol=1e-3, rtol=1e-3)
+    np.testing.assert_allclose(_logits(model, TOKENS), hf_logits(hf, TOKENS), atol=1e-3, rtol=1e-3)
 
 
 def test_tied_quantized_head_matches_transformers(tmp_path):
     folder, hf = _mlx_folder(tmp_path, tie=True, quant={"group_size": 64, "bits": 8})
     model = load_pretrained(folder)
     assert isinstance(model.model.embed_tokens, mn.QuantizedEmbedding) and "lm_head" not in model
-    np.testing.assert_allclose(_logits(model, TOKENS), _hf_logits(hf, TOKENS), atol=1e-3, rtol=1e-3)
+    np.testing.assert_allclose(_logits(model, TOKENS), hf_logits(hf, TOKENS), atol=1e-3, rtol=1e-3)
 
 
 def test_quantized_save_load_round_trip_is_exact(tmp_path):

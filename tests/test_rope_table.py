@@ -15,16 +15,9 @@ import pytest
 from metalnn.functional import rope_table
 from metalnn.functional.rope_table import rope_cached
 
+from kernel_cases import mlx_rope, vjp
+
 from kernel_cases import close, random
-
-
-def mlx_rope(x, dims, traditional=False, base=10000.0, scale=1.0, offset=0, freqs=None):
-    return mx.fast.rope(x, dims, traditional=traditional, base=None if freqs is not None else base, scale=scale,
-                        offset=offset, freqs=freqs)
-
-
-def vjp(fn, x, cot):
-    return mx.vjp(fn, [x], [cot])[1][0]
 
 
 @pytest.mark.parametrize("traditional", [False, True])

@@ -242,10 +242,6 @@ def test_after_bad_requests_the_server_still_answers(server, client, local):
     assert server.health()["failed"] == 0
 
 
-def _generated(server):
-    return server.health()["generated_tokens"]
-
-
 def test_client_disconnect_stops_a_streamed_generation(server, client):
     server.wait_idle()
     before = server.health()
