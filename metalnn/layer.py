@@ -202,14 +202,43 @@ class Layer(nn.Module):
         return self
 
 
+def path_order(path: str) -> list:
+    """Sort key of a module path that puts ``layers.2`` before ``layers.10`` (numbers before names)."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split(".")]
+
+
+def module_at(model: nn.Module, path: str):
+    """The submodule at dotted ``path`` (list entries by index: ``model.layers.3.mlp``)."""
+    m = model
+    for part in path.split(".") if path else ():
+        m = m[int(part)] if isinstance(m, list) else m[part]
+    return m
+
+
+def set_module(model: nn.Module, path: str, module) -> None:
+    """Put ``module`` at dotted ``path`` in place of what is there."""
+    parent_path, _, name = path.rpartition(".")
+    parent = module_at(model, parent_path)
+    if isinstance(parent, list):
+        parent[int(name)] = module
+    else:
+        parent[name] = module
+
+
+def blocks(model: nn.Module) -> list:
+    """``[(path, layer)]`` of the model's repeated blocks (``is_block`` layers), in model order."""
+    return sorted(((p, m) for p, m in model.named_modules() if isinstance(m, Layer) and m.is_block),
+                  key=lambda item: path_order(item[0]))
+
+
 def checkpoint_blocks(model: nn.Module, enabled: bool = True) -> int:
     """Turn gradient checkpointing on (or off) for every block (``is_block``) of ``model``; returns
     how many blocks there are. Each block's activations are then recomputed in the backward pass:
     memory falls from all activations to one block's plus the blocks' inputs."""
-    blocks = [m for _, m in model.named_modules() if isinstance(m, Layer) and m.is_block]
-    for b in blocks:
+    found = blocks(model)
+    for _, b in found:
         b.grad_checkpoint = enabled
-    return len(blocks)
+    return len(found)
 
 
 class Layers(Layer):

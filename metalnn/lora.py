@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import init as initializers
 from .data import Data
 from .errors import WeightLoadError
-from .layer import Layer
+from .layer import Layer, blocks, module_at, set_module
 from .layers.dropout import Dropout
 from .layers.linear import Linear
 from .layers.quantized import QuantizedLinear
@@ -122,37 +122,16 @@ class LoRALinear(Layer):
         return f"rank={self.rank}, alpha={self.alpha}"
 
 
-def _module_at(model, path):
-    m = model
-    for part in path.split("."):
-        m = m[int(part)] if isinstance(m, list) else m[part]
-    return m
-
-
-def _set_module(model, path, module):
-    parent_path, _, name = path.rpartition(".")
-    parent = _module_at(model, parent_path) if parent_path else model
-    if isinstance(parent, list):
-        parent[int(name)] = module
-    else:
-        parent[name] = module
-
-
-def _block_paths(model):
-    """Paths of the model's repeated blocks (``is_block`` layers), in order."""
-    return [p for p, m in model.named_modules() if isinstance(m, Layer) and m.is_block]
-
-
 def _targets(model, targets, layers):
     """Paths of the linear layers to wrap: last name component in ``targets``; with ``layers``,
     only inside the last ``layers`` blocks."""
     targets = tuple(targets)
     allowed = None
     if layers is not None:
-        blocks = sorted(_block_paths(model), key=lambda p: [int(x) if x.isdigit() else x for x in p.split(".")])
-        if not blocks:
+        paths = [p for p, _ in blocks(model)]
+        if not paths:
             raise ValueError(f"lora.apply: layers={layers} but {type(model).__name__} has no blocks")
-        allowed = blocks[-int(layers):] if layers else []
+        allowed = paths[-int(layers):] if layers else []
     found = []
     for path, m in model.named_modules():
         name = path.rpartition(".")[2]
@@ -193,17 +172,17 @@ def apply(model, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0, targe
                          f"{list(targets)}")
     _wrap(model, paths, rank, alpha, dropout)
     model.lora_settings = LoRASettings(int(rank), float(alpha), float(dropout), tuple(sorted(set(targets))),
-                                       tuple(_layer_indices(paths, _block_paths(model))) if layers is not None else None)
+                                       tuple(_layer_indices(paths, [p for p, _ in blocks(model)])) if layers is not None else None)
     return paths
 
 
 def _wrap(model, paths, rank, alpha, dropout):
     """Wrap the projections at ``paths`` in `LoRALinear` and leave only the adapters trainable."""
     for path in paths:
-        _set_module(model, path, LoRALinear(_module_at(model, path), rank, alpha, dropout))
+        set_module(model, path, LoRALinear(module_at(model, path), rank, alpha, dropout))
     model.freeze()
     for path in paths:
-        wrapped = _module_at(model, path)
+        wrapped = module_at(model, path)
         wrapped.lora_A.unfreeze()
         wrapped.lora_B.unfreeze()
 
@@ -350,7 +329,7 @@ def fuse(model, dequantize: bool = False) -> list:
         else:
             base.weight = merged.astype(base.weight.dtype)
             new = base
-        _set_module(model, path, new)
+        set_module(model, path, new)
     model.unfreeze()
     for _, m in model.named_modules():
         if isinstance(m, QUANTIZED):

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .errors import UnsupportedConfigError
-from .layer import Layer
+from .layer import Layer, path_order, set_module
 from .layers.embedding import Embedding
 from .layers.linear import Linear
 from .layers.quantized import QuantizedEmbedding, QuantizedLinear, quant_settings
@@ -59,7 +59,7 @@ def _param_bytes(model) -> int:
 
 
 def _path_order(item):
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in item[0].split(".")]
+    return path_order(item[0])
 
 
 def eligible_layers(model) -> list:
@@ -76,18 +76,6 @@ def _width(layer) -> int | None:
     if isinstance(layer, Embedding):
         return layer.dims
     return layer.weight.shape[1] if "weight" in layer else None
-
-
-def _replace(model, path: str, new):
-    parts = path.split(".")
-    parent = model
-    for p in parts[:-1]:
-        parent = parent[int(p)] if isinstance(parent, list) else parent[p]
-    last = parts[-1]
-    if isinstance(parent, list):
-        parent[int(last)] = new
-    else:
-        parent[last] = new
 
 
 def _quantized_copy(layer, group_size, bits, mode):
@@ -137,7 +125,7 @@ def quantize(model, bits: int = 4, group_size: int = 64, *, mode: str = "affine"
             summary.skipped[path] = f"{what} {width} is not a multiple of group_size {settings[0]}"
             continue
         new = _quantized_copy(layer, *settings)
-        _replace(model, path, new)
+        set_module(model, path, new)
         new_params.extend(a for _, a in tree_flatten(new.parameters()))
         summary.quantized.append(path)
     mx.eval(new_params)
@@ -249,5 +237,5 @@ def prepare(model, qconfig: dict, checkpoint_names, source: str) -> list:
         raise UnsupportedConfigError(f"{source}: the quantization config does not fit the model: "
                                      + "; ".join(problems))
     for path, layer, settings in plan:
-        _replace(model, path, _quantized_copy(layer, *settings))
+        set_module(model, path, _quantized_copy(layer, *settings))
     return [p for p, _, _ in plan]
