@@ -78,6 +78,15 @@ def _width(layer) -> int | None:
     return layer.weight.shape[1] if "weight" in layer else None
 
 
+def _misfit(layer, group_size: int) -> str | None:
+    """Why ``layer`` cannot be quantized in groups of ``group_size`` (None when it can)."""
+    width = _width(layer)
+    if width % group_size:
+        what = "dims" if isinstance(layer, Embedding) else "input width"
+        return f"{what} {width} is not a multiple of group_size {group_size}"
+    return None
+
+
 def _quantized_copy(layer, group_size, bits, mode):
     if isinstance(layer, Embedding):
         return QuantizedEmbedding.from_embedding(layer, group_size=group_size, bits=bits, mode=mode)
@@ -119,10 +128,9 @@ def quantize(model, bits: int = 4, group_size: int = 64, *, mode: str = "affine"
             if isinstance(choice, dict):
                 settings = quant_settings(choice.get("group_size", group_size), choice.get("bits", bits),
                                           choice.get("mode", mode), f"quantize ({path})")
-        width = _width(layer)
-        what = "dims" if isinstance(layer, Embedding) else "input width"
-        if width % settings[0]:
-            summary.skipped[path] = f"{what} {width} is not a multiple of group_size {settings[0]}"
+        misfit = _misfit(layer, settings[0])
+        if misfit:
+            summary.skipped[path] = misfit
             continue
         new = _quantized_copy(layer, *settings)
         set_module(model, path, new)
@@ -139,17 +147,24 @@ def config_of(model) -> dict | None:
     The most common settings are the defaults; layers with other settings get a per-layer entry
     and float `Linear` / `Embedding` layers an entry ``False``.
     """
-    layers = quantized_layers(model)
-    if not layers:
+    cfg = config_from_settings({path: (m.group_size, m.bits, m.mode) for path, m in quantized_layers(model)})
+    if cfg is None:
         return None
-    counts = Counter((m.group_size, m.bits, m.mode) for _, m in layers)
-    (g, b, mode), _ = counts.most_common(1)[0]
-    cfg = {"group_size": g, "bits": b, "mode": mode}
-    for path, m in layers:
-        if (m.group_size, m.bits, m.mode) != (g, b, mode):
-            cfg[path] = {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
     for path, _ in eligible_layers(model):
         cfg[path] = False
+    return cfg
+
+
+def config_from_settings(layers: dict) -> dict | None:
+    """A ``quantization`` config dict from ``{module path: (group_size, bits, mode)}``: the most
+    common settings are the defaults, the other layers get per-layer entries (None if empty)."""
+    if not layers:
+        return None
+    (g, b, mode), _ = Counter(layers.values()).most_common(1)[0]
+    cfg = {"group_size": g, "bits": b, "mode": mode}
+    for path, settings in layers.items():
+        if settings != (g, b, mode):
+            cfg[path] = dict(zip(("group_size", "bits", "mode"), settings))
     return cfg
 
 
@@ -227,10 +242,9 @@ def prepare(model, qconfig: dict, checkpoint_names, source: str) -> list:
             settings = default
         else:
             continue
-        width = _width(layer)
-        if width % settings[0]:
-            what = "dims" if isinstance(layer, Embedding) else "input width"
-            problems.append(f"{path}: {what} {width} is not a multiple of group_size {settings[0]}")
+        misfit = _misfit(layer, settings[0])
+        if misfit:
+            problems.append(f"{path}: {misfit}")
             continue
         plan.append((path, layer, settings))
     if problems:

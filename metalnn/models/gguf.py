@@ -26,7 +26,6 @@ are permuted. Add an entry to support another architecture.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,6 +34,7 @@ import numpy as np
 
 from ..errors import UnsupportedConfigError, WeightLoadError
 from ..gguf_file import GGUFHeader, check_supported, find_gguf, load_tensors, quantization_of, read_header
+from ..quantization import config_from_settings
 
 #: GGUF tensor names outside the blocks -> Hugging Face module paths
 LLAMA_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -413,16 +413,9 @@ def _hybrid_extra(header, p: str) -> dict:
 def quantization_of_tensors(tensors: dict) -> dict | None:
     """The ``quantization`` config of the quantized triples among Hugging Face named tensors (GGUF blocks:
     group size 32; bits from the packed width)."""
-    layers = {name[: -len(".scales")]: tensors[name[: -len(".scales")] + ".weight"].shape[-1] // a.shape[-1]
-              for name, a in tensors.items() if name.endswith(".scales")}
-    if not layers:
-        return None
-    bits, _ = Counter(layers.values()).most_common(1)[0]
-    cfg = {"group_size": 32, "bits": bits, "mode": "affine"}
-    for path, b in layers.items():
-        if b != bits:
-            cfg[path] = {"group_size": 32, "bits": b, "mode": "affine"}
-    return cfg
+    return config_from_settings({
+        name[: -len(".scales")]: (32, tensors[name[: -len(".scales")] + ".weight"].shape[-1] // a.shape[-1], "affine")
+        for name, a in tensors.items() if name.endswith(".scales")})
 
 
 ARCHITECTURES = {
@@ -544,15 +537,9 @@ def quantization_config(header: GGUFHeader, spec: GGUFArchitecture) -> dict | No
         if q is not None and info.name.endswith(".weight"):
             name = hf_name(info.name, spec)
             if name is not None:
-                layers[name[: -len(".weight")]] = q
-    if not layers:
-        return None
-    (bits, group), _ = Counter(layers.values()).most_common(1)[0]
-    cfg = {"group_size": group, "bits": bits, "mode": "affine"}
-    for path, (b, g) in layers.items():
-        if (b, g) != (bits, group):
-            cfg[path] = {"group_size": g, "bits": b, "mode": "affine"}
-    return cfg
+                bits, group = q
+                layers[name[: -len(".weight")]] = (group, bits, "affine")
+    return config_from_settings(layers)
 
 
 def read_checkpoint(path) -> GGUFCheckpoint:
