@@ -104,31 +104,25 @@ def _completion_example(tokenizer, prompt, completion, mask_prompt, where):
         return _chat_example(tokenizer, [{"role": "user", "content": prompt},
                                          {"role": "assistant", "content": completion}], mask_prompt, where)
     p = list(tokenizer.encode(prompt))
-    c = list(tokenizer.encode(completion, add_special_tokens=False))
-    eos = _eos(tokenizer)
-    if eos is not None:
-        c.append(eos)
+    c = list(tokenizer.encode(completion, add_special_tokens=False)) + _eos(tokenizer)
     return Example(tuple(p + c), (not mask_prompt,) * len(p) + (True,) * len(c))
 
 
 def _text_example(tokenizer, text, where):
     if not isinstance(text, str) or not text:
         raise DatasetError(f"{where}: 'text' must be a non-empty string")
-    ids = list(tokenizer.encode(text))
-    eos = _eos(tokenizer)
-    if eos is not None:
-        ids.append(eos)
+    ids = list(tokenizer.encode(text)) + _eos(tokenizer)
     return Example(tuple(ids), (True,) * len(ids))
 
 
-def _eos(tokenizer):
-    """The id appended to texts and completions: the tokenizer's ``eos_token_id``, else the
-    smallest of its ``eos_token_ids``, else None."""
+def _eos(tokenizer) -> list:
+    """What is appended to texts and completions: ``[eos_token_id]`` of the tokenizer, else the
+    smallest of its ``eos_token_ids``, else nothing."""
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
-        return int(eos)
+        return [int(eos)]
     ids = getattr(tokenizer, "eos_token_ids", None)
-    return min(int(i) for i in ids) if ids else None
+    return [min(int(i) for i in ids)] if ids else []
 
 
 def tokenize(tokenizer, record: dict, mask_prompt: bool = True, where: str = "example") -> Example:
@@ -188,7 +182,7 @@ class TextDataset:
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"batches: batch_size and max_length must be positive, got {batch_size}, {max_length}")
         if packed:
-            return _PackedSource(self.examples, batch_size, max_length, seed, pad_id)
+            return _PackedSource(self.examples, batch_size, max_length, seed)
         return _PaddedSource(self.examples, batch_size, max_length, seed, pad_id)
 
 
@@ -207,8 +201,7 @@ def _rows(chunks, width, pad_id):
 class _PaddedSource:
     def __init__(self, examples, batch_size, max_length, seed, pad_id):
         order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
-        self.examples, self.batch_size, self.max_length, self.seed, self.pad_id = (
-            examples, batch_size, max_length, seed, pad_id)
+        self.examples, self.max_length, self.seed, self.pad_id = examples, max_length, seed, pad_id
         if len(order) < batch_size:
             raise ValueError(f"batches: {len(examples)} examples are fewer than one batch of {batch_size}")
         # consecutive runs of the length order; the last batch is the longest batch_size examples
@@ -234,9 +227,8 @@ class _PaddedSource:
 
 
 class _PackedSource:
-    def __init__(self, examples, batch_size, max_length, seed, pad_id):
-        self.examples, self.batch_size, self.width, self.seed, self.pad_id = (
-            examples, batch_size, max_length + 1, seed, pad_id)
+    def __init__(self, examples, batch_size, max_length, seed):
+        self.examples, self.batch_size, self.width, self.seed = examples, batch_size, max_length + 1, seed
         total = sum(len(e) for e in examples)
         self.rows_per_epoch = total // self.width
         if self.rows_per_epoch < batch_size:
@@ -258,8 +250,9 @@ class _PackedSource:
         per_epoch = self.rows_per_epoch // self.batch_size
         epoch, i = divmod(int(step), per_epoch)
         ids, trained = self._epoch(epoch)
-        rows = slice(i * self.batch_size, (i + 1) * self.batch_size)
-        return _rows(list(zip(ids[rows].tolist(), trained[rows].tolist())), self.width - 1, self.pad_id)
+        rows = slice(i * self.batch_size, (i + 1) * self.batch_size)  # packed rows are full: no padding
+        targets = np.where(trained[rows, 1:], ids[rows, 1:], IGNORE)
+        return mx.array(ids[rows, :-1].astype(np.int32)), mx.array(targets.astype(np.int32))
 
     def __len__(self):
         return self.rows_per_epoch // self.batch_size
