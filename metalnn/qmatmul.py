@@ -29,6 +29,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import _native_ext
+from .functional._dispatch import on_cpu
 
 __all__ = ["quantized_matmul", "dequantize", "available", "unavailable_reason", "supports"]
 
@@ -54,7 +55,7 @@ def unavailable_reason() -> str | None:
 
 def _on_cpu(stream) -> bool:
     if stream is None:
-        return mx.default_device().type == _CPU
+        return on_cpu()
     device = stream.device if isinstance(stream, mx.Stream) else stream
     kind = device if isinstance(device, mx.DeviceType) else device.type
     return kind == _CPU

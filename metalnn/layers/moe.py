@@ -15,6 +15,7 @@ import mlx.core as mx
 from .. import functional as F
 from .. import init as initializers
 from ..data import Data, MTLSize
+from ..functional._dispatch import on_cpu
 from ..layer import Layer, no_positional
 from .linear import Linear, float_dtype
 from .mlp import SwiGLU
@@ -31,7 +32,7 @@ def gather_matmul(x, w, idx, sorted_indices=False):
     experts, as in decoding) and cast back.
     """
     wt = mx.swapaxes(w, -1, -2)
-    if (x.dtype == mx.float32 and w.dtype == mx.float32) or mx.default_device().type != mx.DeviceType.cpu:
+    if (x.dtype == mx.float32 and w.dtype == mx.float32) or not on_cpu():
         return mx.gather_mm(x, wt, rhs_indices=idx, sorted_indices=sorted_indices)
     f32 = mx.float32
     if idx.size <= w.shape[0]:

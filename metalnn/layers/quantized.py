@@ -24,6 +24,7 @@ from .. import init as initializers
 from .. import qmatmul
 from ..data import Data, MTLSize
 from ..device import resolve
+from ..functional._dispatch import on_cpu
 from ..layer import Layer, no_positional
 from .linear import float_dtype
 
@@ -62,10 +63,6 @@ CPU_DEQUANTIZE_ROWS = 6
 #: ``python scripts/bench_generate.py --rows`` measured the crossover at 8-16 rows for SmolLM2's
 #: shapes (2-core x86_64, shared machine)
 CPU_NATIVE_ROWS = 12
-
-
-def _on_cpu() -> bool:
-    return mx.default_device().type == mx.cpu
 
 
 def _quantize(w, group_size, bits, mode):
@@ -165,7 +162,7 @@ class _Quantized(Layer):
         rows = x.size // max(x.shape[-1], 1)
         b = self._biases()
         reference = resolve(device).kernels == "reference"
-        if not _on_cpu() or rows < (CPU_DEQUANTIZE_ROWS if reference else CPU_NATIVE_ROWS):
+        if not on_cpu() or rows < (CPU_DEQUANTIZE_ROWS if reference else CPU_NATIVE_ROWS):
             if reference:
                 return mx.quantized_matmul(x, self.weight, self.scales, b, transpose=True,
                                            group_size=self.group_size, bits=self.bits, mode=self.mode)
