@@ -248,6 +248,15 @@ mx::array qmatmul_reference(const std::vector<mx::array>& in, bool transpose, in
 // Primitives
 // ---------------------------------------------------------------------------
 
+// The layout of a packed weight ``w`` ([N, K * bits / 32] uint32 words).
+Layout layout_of(const mx::array& w, int group, int bits) {
+  Layout L;
+  L.bits = bits;
+  L.group = group;
+  L.K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  return L;
+}
+
 class AffineQuantizedMatmul : public mx::UnaryPrimitive {
  public:
   AffineQuantizedMatmul(mx::Stream s, int group_size, int bits, bool transpose)
@@ -258,10 +267,7 @@ class AffineQuantizedMatmul : public mx::UnaryPrimitive {
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    Layout L;
-    L.bits = bits_;
-    L.group = group_;
-    L.K = static_cast<int64_t>(inputs[1].shape(1)) * 32 / bits_;
+    const Layout L = layout_of(inputs[1], group_, bits_);
     enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                   s = mx::array::unsafe_weak_copy(inputs[2]), b = mx::array::unsafe_weak_copy(inputs[3]),
                   out = mx::array::unsafe_weak_copy(out), L, t = transpose_]() mutable {
@@ -393,10 +399,7 @@ class AffineDequantize : public mx::UnaryPrimitive {
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    Layout L;
-    L.bits = bits_;
-    L.group = group_;
-    L.K = static_cast<int64_t>(inputs[0].shape(1)) * 32 / bits_;
+    const Layout L = layout_of(inputs[0], group_, bits_);
     enc.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), s = mx::array::unsafe_weak_copy(inputs[1]),
                   b = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out), L]() mutable {
       if (out.size() == 0) return;

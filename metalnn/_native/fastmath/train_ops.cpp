@@ -1154,7 +1154,6 @@ class ScaledSoftmaxVJP : public NativeOp {
       const size_t rows = y.size() / n;
       const float *py = y.data<float>(), *pg = g.data<float>();
       float* po = out.data<float>();
-      const bool v = avx2();
       metalnn_native::parallel_for(rows, grain_rows(n), [&](size_t r0, size_t r1) {
         for (size_t r = r0; r < r1; ++r) {
           const int64_t m = sp.valid(r, n);
@@ -1167,7 +1166,6 @@ class ScaledSoftmaxVJP : public NativeOp {
           for (int64_t i = m; i < n; ++i) orow[i] = 0.0f;
         }
       });
-      (void)v;
     });
   }
 
