@@ -2,17 +2,17 @@
 
 On Linux this
 
-* builds metalnn/_native/cblas_shim.c into the shared library ``metalnn/_cblas_shim*.so``:
+* builds metalnn/cpu/native/cblas_shim.c into the shared library ``metalnn/cpu/_cblas_shim*.so``:
   it exports the standard ``cblas_*``/LAPACK symbols that MLX's libmlx.so imports and
   forwards them to the ``scipy_``-prefixed OpenBLAS of the scipy-openblas32 wheel (see
-  metalnn/_blas.py). The library is only ever loaded with ctypes; it is a (trivial)
+  metalnn/cpu/blas.py). The library is only ever loaded with ctypes; it is a (trivial)
   extension module just so setuptools can build and install it. The build is optional:
   if it fails, metalnn compiles the shim at import time into ~/.cache/metalnn (or warns);
-* builds the optional ``metalnn._fastmath`` extension (CMake + nanobind, against the
-  installed mlx; see metalnn/_native/fastmath/setup_helper.py). ``METALNN_BUILD_FASTMATH=0``
+* builds the optional ``metalnn.cpu._fastmath`` extension (CMake + nanobind, against the
+  installed mlx; see metalnn/cpu/native/fastmath/setup_helper.py). ``METALNN_BUILD_FASTMATH=0``
   skips it;
 * installs the BLAS startup hook at the root of site-packages: ``metalnn-blas-hook.pth``
-  and ``_metalnn_blas_hook.py`` (a copy of metalnn/_blas_hook.py), for wheels (``pip
+  and ``_metalnn_blas_hook.py`` (a copy of metalnn/cpu/blas_hook.py), for wheels (``pip
   install .``, sdists) through build_py and for editable installs (``pip install -e .``)
   by adding both files to the editable wheel.
 
@@ -38,7 +38,7 @@ HOOK_PTH = "metalnn-blas-hook.pth"
 
 def _load_fastmath_helper():
     # by file path: importing metalnn itself at build time is not possible
-    path = HERE / "metalnn" / "_native" / "fastmath" / "setup_helper.py"
+    path = HERE / "metalnn" / "cpu" / "native" / "fastmath" / "setup_helper.py"
     spec = importlib.util.spec_from_file_location("_metalnn_fastmath_setup_helper", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -47,7 +47,7 @@ def _load_fastmath_helper():
 
 def _hook_files() -> dict:
     """File name at the root of site-packages -> contents."""
-    source = (HERE / "metalnn" / "_blas_hook.py").read_bytes()
+    source = (HERE / "metalnn" / "cpu" / "blas_hook.py").read_bytes()
     pth = f"import {HOOK_MODULE}; {HOOK_MODULE}.install()\n".encode()
     return {f"{HOOK_MODULE}.py": source, HOOK_PTH: pth}
 
@@ -120,8 +120,8 @@ cmdclass = {}
 if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
-            "metalnn._cblas_shim",
-            sources=["metalnn/_native/cblas_shim.c"],
+            "metalnn.cpu._cblas_shim",
+            sources=["metalnn/cpu/native/cblas_shim.c"],
             define_macros=[("METALNN_SHIM_PYMODULE", "1")],
             extra_compile_args=["-O2"],
             libraries=["dl"],
@@ -131,15 +131,15 @@ if sys.platform.startswith("linux"):
     cmdclass["build_py"] = BuildPyWithHook
     cmdclass["editable_wheel"] = _editable_wheel_with_hook()
     if _build_fastmath():
-        # Optional vectorised CPU primitives for MLX (metalnn.fastmath), built with CMake +
+        # Optional vectorised CPU primitives for MLX (metalnn.cpu.fastmath), built with CMake +
         # nanobind against the installed mlx wheel; skipped with a warning if the build fails.
         fastmath = _load_fastmath_helper()
-        ext_modules.append(fastmath.FastmathExtension("metalnn._fastmath"))
+        ext_modules.append(fastmath.FastmathExtension("metalnn.cpu._fastmath"))
         cmdclass["build_ext"] = fastmath.BuildExt
 
 setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     # The C source is also needed at run time, for the fallback build into ~/.cache.
-    package_data={"metalnn": ["_native/*.c"]},
+    package_data={"metalnn.cpu": ["native/*.c"]},
 )

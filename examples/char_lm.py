@@ -1,6 +1,6 @@
 """Train a small character-level transformer language model with metalnn.
 
-The model is a Llama-style decoder (`metalnn.models.LlamaForCausalLM`: embedding, RMSNorm
+The model is a Llama-style decoder (`metalnn.llm.models.LlamaForCausalLM`: embedding, RMSNorm
 pre-norm `TransformerBlock`s with RoPE attention and SwiGLU, output head) trained with
 `metalnn.Trainer` on a public-domain text shipped in examples/data/ (the King James Version of
 Genesis and Exodus). Every ``--sample-every`` steps it prints the validation loss and a sample.
@@ -10,7 +10,7 @@ At the end ``--out`` (default runs/char_lm) holds:
 * ``loss.png``: training and validation loss against the unigram (character frequency) entropy;
 * ``checkpoints/``: Trainer checkpoints (resume with ``--resume``);
 * ``model/``: ``config.json`` + ``model.safetensors`` + a character ``tokenizer.json``, loadable by
-  ``metalnn.models.load_pretrained``, transformers, and ``examples/generate.py``.
+  ``metalnn.llm.models.load_pretrained``, transformers, and ``examples/generate.py``.
 
     python examples/char_lm.py                    # a few minutes on 2 CPU cores
     python examples/char_lm.py --steps 100        # a quick look

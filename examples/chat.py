@@ -10,8 +10,8 @@ it needs a tokenizer with a chat template. Type ``/reset`` to start over, ``/qui
 leave; Ctrl-C stops an answer.
 
 The same conversation loop is the ``metalnn chat MODEL`` command; this script adds the SmolLM2
-default. Its parts: `metalnn.chat.ChatSession` (history and chat template) and
-`metalnn.text_generation.TextStream` (streamed text).
+default. Its parts: `metalnn.llm.chat.ChatSession` (history and chat template) and
+`metalnn.llm.text_generation.TextStream` (streamed text).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 import time
 
 import metalnn as mn  # before mlx
-from metalnn.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_path
-from metalnn.chat import ChatSession
+from metalnn.llm.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_path
+from metalnn.llm.chat import ChatSession
 from metalnn.cli.chat import chat_loop
 
 HOW_TO_GET_ONE = (

@@ -56,12 +56,12 @@ class DigitsVAE(mn.Layer):
 
     def encode(self, x, device=None):
         """``x [N, 8, 8, 1]`` -> ``(mu, logvar)``, each ``[N, latent]``."""
-        h = self.compile_child_array("encoder", self.encoder, mn.device.resolve(device), x)
+        h = self.compile_child_array(self.encoder, mn.device.resolve(device), x)
         return h[:, :self.latent], h[:, self.latent:]
 
     def decode(self, z, device=None):
         """``z [N, latent]`` -> Bernoulli logits ``[N, 8, 8, 1]``."""
-        out = self.compile_child("decoder", self.decoder, mn.device.resolve(device), mn.Data(z))
+        out = self.compile_child(self.decoder, mn.device.resolve(device), mn.Data(z))
         return out.to_nhwc(1)
 
     def elbo(self, x, device):

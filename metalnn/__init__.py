@@ -1,10 +1,10 @@
 """metalnn: build, train and run neural networks on Apple Silicon through MLX.
 
 On Linux, MLX's matrix products run on an optimized BLAS whatever is imported first: the package
-installs a startup hook that loads OpenBLAS when ``mlx`` is first imported (see `metalnn._blas`).
+installs a startup hook that loads OpenBLAS when ``mlx`` is first imported (see `metalnn.cpu.blas`).
 """
 
-from . import _blas as _blas
+from .cpu import blas as _blas
 
 _blas.setup()
 
@@ -16,8 +16,8 @@ from .errors import (MetalnnError, ShapeError, TrainingDivergedError, Unsupporte
 from .layers import *  # noqa: E402,F401,F403
 from .layers import __all__ as _layer_names  # noqa: E402
 from .trainer import Trainer  # noqa: E402
-from .generation import generate, sample_logits, stream_generate  # noqa: E402
-from . import models  # noqa: E402
+from .llm.generation import generate, sample_logits, stream_generate  # noqa: E402
+from .llm import models  # noqa: E402
 from .quantization import QuantizationSummary, quantize  # noqa: E402
 from .weights import load_safetensors, open_provider, save_safetensors  # noqa: E402
 

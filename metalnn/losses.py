@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import fused
-from .device import resolve
-from .functional._dispatch import fused_cpu
+from . import functional as F
 
 
 def cross_entropy(logits, targets, ignore_index: int | None = None, reduction: str = "mean",
@@ -19,10 +17,7 @@ def cross_entropy(logits, targets, ignore_index: int | None = None, reduction: s
         ignore_index: targets equal to it add nothing and are not counted in the mean.
         reduction: ``"mean"`` (over counted targets), ``"sum"`` or ``"none"`` (shape of targets).
         label_smoothing: mix the one-hot target with the uniform distribution.
-        device: the `Device` whose ``kernels`` picks the implementation: ``"reference"`` the formula
-            in plain MLX ops (``logsumexp`` and a gather); any other choice, on the CPU backend,
-            `metalnn.fused.cross_entropy` (one multi-threaded pass forward and one backward:
-            ``scripts/bench_kernels.py --ops cross_entropy``).
+        device: the `Device` whose ``kernels`` picks the implementation (`metalnn.functional.cross_entropy_rows`).
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} need targets of shape "
@@ -31,18 +26,7 @@ def cross_entropy(logits, targets, ignore_index: int | None = None, reduction: s
         raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
     logits = logits.astype(mx.float32)
     safe = targets if ignore_index is None else mx.where(targets == ignore_index, 0, targets)
-    if resolve(device).kernels != "reference" and fused_cpu(logits):
-        loss = fused.cross_entropy(logits, safe, label_smoothing)
-    else:
-        # differences with each row's max first, as torch's log_softmax: lse - x[t] formed as
-        # lse(x - m) - (x[t] - m) stays exact to float32 rounding for large logits
-        m = mx.stop_gradient(mx.max(logits, axis=-1, keepdims=True))
-        shifted = logits - mx.where(mx.isinf(m), 0, m)
-        lse = mx.logsumexp(shifted, axis=-1)
-        picked = mx.take_along_axis(shifted, safe[..., None].astype(mx.int32), axis=-1)[..., 0]
-        loss = lse - picked
-        if label_smoothing:
-            loss = (1 - label_smoothing) * loss + label_smoothing * (lse - mx.mean(shifted, axis=-1))
+    loss = F.cross_entropy_rows(logits, safe, label_smoothing, device=device)
     if ignore_index is not None:
         keep = (targets != ignore_index)
         loss = mx.where(keep, loss, 0.0)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import mlx.optimizers as optim
 
-from . import fused
-from .functional._dispatch import fused_cpu
+from . import functional as F
 
 __all__ = ["AdamW"]
 
@@ -13,7 +12,7 @@ __all__ = ["AdamW"]
 class AdamW(optim.AdamW):
     """``mlx.optimizers.AdamW``: the same arguments, state, checkpoints and results, with the
     per-parameter update of float32 parameters on the CPU backend computed by
-    `metalnn.fused.adamw_update` (one multi-threaded pass over parameter, gradient and moments
+    `metalnn.functional.adamw_update` (one multi-threaded pass over parameter, gradient and moments
     instead of MLX's chain of single-threaded element-wise ops; ``scripts/bench_train.py``
     trains with it). Elsewhere, and for other dtypes, it is mlx's own update.
 
@@ -22,10 +21,10 @@ class AdamW(optim.AdamW):
     """
 
     def apply_single(self, gradient, parameter, state):
-        m, v = state["m"], state["v"]
-        if not fused_cpu(gradient, parameter, m, v) or parameter.shape != gradient.shape:
+        updated = F.adamw_update(parameter, gradient, state["m"], state["v"], self.learning_rate, self.step,
+                                 betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                 bias_correction=self.bias_correction)
+        if updated is None:
             return super().apply_single(gradient, parameter, state)
-        parameter, state["m"], state["v"] = fused.adamw_update(
-            parameter, gradient, m, v, self.learning_rate, self.step, betas=self.betas, eps=self.eps,
-            weight_decay=self.weight_decay, bias_correction=self.bias_correction)
+        parameter, state["m"], state["v"] = updated
         return parameter

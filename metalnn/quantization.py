@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .errors import UnsupportedConfigError
-from .layer import Layer, path_order, set_module
+from .layers.base import Layer, path_order, set_module
 from .layers.embedding import Embedding
 from .layers.linear import Linear
 from .layers.quantized import QuantizedEmbedding, QuantizedLinear, quant_settings

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .device import Device, resolve
 from .errors import TrainingDivergedError
-from .layer import checkpoint_blocks
+from .layers.base import checkpoint_blocks
 from .weights import load_into, load_safetensors, save_safetensors
 
 
@@ -44,7 +44,7 @@ class Trainer:
         eval_fn: ``eval_fn(trainer) -> dict`` of metrics, called every ``eval_every`` steps and at the
             end (with the model in evaluation mode); results are kept in ``history``.
         progress: show a tqdm progress bar with loss and throughput.
-        grad_checkpoint: recompute each block of the model (`metalnn.layer.checkpoint_blocks`) in the
+        grad_checkpoint: recompute each block of the model (`metalnn.layers.base.checkpoint_blocks`) in the
             backward pass instead of keeping its activations: the same gradients for less memory.
         group: the ``mx.distributed`` group to train data-parallel on (default: the process's
             group, ``mx.distributed.init()``; a single process is a group of one). See below.
@@ -308,7 +308,7 @@ def _leading(batch):
 
 
 def _all_built(model):
-    from .layer import Layer
+    from .layers.base import Layer
 
     for _, m in model.named_modules():
         if isinstance(m, Layer) and not m.built:

@@ -7,7 +7,7 @@
     python scripts/bench_blas.py --mlx-first     # import mlx.core before metalnn, as most code does
 
 By default metalnn is imported before mlx; with --mlx-first mlx.core comes first and MLX
-gets OpenBLAS through metalnn's startup hook (see metalnn/_blas_hook.py). Either way the
+gets OpenBLAS through metalnn's startup hook (see metalnn/cpu/blas_hook.py). Either way the
 script reports which path loaded it. Prints GFLOP/s for each and the MLX/NumPy ratio
 (target >= 0.8 on Linux).
 """
@@ -29,7 +29,7 @@ if MLX_FIRST:
 import metalnn  # noqa: E402,F401
 import mlx.core as mx  # noqa: E402,F811
 import numpy as np  # noqa: E402
-from metalnn import _blas  # noqa: E402
+from metalnn.cpu import blas as _blas  # noqa: E402
 
 
 def best_time(fn, warmup: int, reps: int) -> float:

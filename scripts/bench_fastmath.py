@@ -1,4 +1,4 @@
-"""Benchmark metalnn.fastmath against MLX's CPU ops and numpy.
+"""Benchmark metalnn.cpu.fastmath against MLX's CPU ops and numpy.
 
     python scripts/bench_fastmath.py [--n 4194304] [--repeat 10]
 
@@ -14,7 +14,7 @@ import math
 import time
 
 import metalnn  # noqa: F401
-import metalnn.fastmath as fm
+import metalnn.cpu.fastmath as fm
 import mlx.core as mx
 import numpy as np
 

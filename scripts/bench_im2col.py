@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark metalnn.im2col's native primitives against the same ops built from MLX ops, in one process.
+"""Benchmark metalnn.cpu.im2col's native primitives against the same ops built from MLX ops, in one process.
 
     python scripts/bench_im2col.py                # default shapes
     python scripts/bench_im2col.py --reps 30 --threads 1 2
@@ -24,7 +24,7 @@ import time
 import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import metalnn.im2col as ic  # noqa: E402
+import metalnn.cpu.im2col as ic  # noqa: E402
 
 # (label, x shape [N, C, *S], kernel, stride, padding, dilation, out channels for the conv)
 SHAPES = [

@@ -11,7 +11,7 @@ in the chunked form) and metalnn's implementations on a `Device` of each ``kerne
 ``reference``, ``auto`` and, on a Mac with Metal, ``metal``. It prints a Markdown table of the
 best milliseconds per call (of ``--repeats`` runs) and the ratio ``built-in time / metalnn time`` (> 1: metalnn is
 faster). On the CPU backend the ``auto`` column is what justifies each CPU stand-in that
-`metalnn.functional` documents (the fused CPU primitives of `metalnn.fused`, the im2col
+`metalnn.functional` documents (the fused CPU primitives of `metalnn.cpu.fused`, the im2col
 convolutions).
 
 The timings of one run are comparable with each other (same process, same machine state); say
@@ -156,7 +156,7 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}; choose from {[w.op for w in WORKLOADS]}")
     print(f"MLX {mx.__version__}, default device {mx.default_device()}, metalnn native extension "
-          f"{'on' if mn.fused.available() else 'off'}; best of {args.repeats} runs"
+          f"{'on' if mn.cpu.fused.available() else 'off'}; best of {args.repeats} runs"
           f"{' (process CPU time)' if args.cpu_time else ''}\n")
     header = ["op", "shape", "pass", "MLX built-in ms"]
     for kind in kernels:

@@ -140,7 +140,7 @@ def main(argv=None):
         if args.url:
             url = args.url.rstrip("/")
         else:
-            from metalnn.bundled import SMOLLM2_INSTALL, smollm2_path
+            from metalnn.llm.bundled import SMOLLM2_INSTALL, smollm2_path
 
             model_path = args.model or smollm2_path()
             if model_path is None:

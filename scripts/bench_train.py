@@ -7,7 +7,7 @@ step on [batch 8, T 256] tokens per iteration. Shapes (``--shape``):
 * ``gqa``: vocab 256, width 384, 4 layers, 6 query heads sharing 2 key/value heads (3:1,
   head_dim 64), SwiGLU 1024.
 
-* metalnn: `metalnn.models.LlamaForCausalLM` trained by `metalnn.Trainer` (compiled step) with
+* metalnn: `metalnn.llm.models.LlamaForCausalLM` trained by `metalnn.Trainer` (compiled step) with
   `metalnn.optimizers.AdamW` (mlx's AdamW with a fused CPU update);
 * PyTorch: ``transformers.LlamaForCausalLM`` (SDPA attention), eager, ``torch.optim.AdamW``;
 * mlx.nn: the model written directly with ``mlx.nn`` layers, ``nn.value_and_grad`` and

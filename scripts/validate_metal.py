@@ -7,7 +7,7 @@ implementation, and speed against MLX's built-in ops. Prints Markdown tables for
 Needs Metal (macOS on Apple Silicon): elsewhere it says so and exits with status 2, unless
 ``--emulate`` runs the checks through `metal_kernels.emulator` (to test this script anywhere).
 
-1. Correctness: every kernel family on the shapes of the kernel tests (``tests/kernel_cases.py``),
+1. Correctness: every kernel family on the shapes of the kernel tests (``tests/support/kernel_cases.py``),
    float32, float16 and bfloat16 where the tests use them. Each case runs on
    ``Device(kernels="metal")`` (forward, then ``mx.vjp`` in every input with a random cotangent)
    and on the reference (plain MLX ops) in float32 on the same rounded values. An output passes
@@ -36,7 +36,7 @@ from metalnn import functional as F  # noqa: E402
 from metalnn.kernels import launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "tests"), str(HERE)]
+sys.path[:0] = [str(HERE.parent / "tests" / "support"), str(HERE)]
 
 import bench_kernels  # noqa: E402
 import kernel_cases as kc  # noqa: E402

@@ -1,8 +1,16 @@
-"""Shared test setup (the BLAS is set up by metalnn's startup hook, whatever is imported first)."""
+"""Shared test setup (the BLAS is set up by metalnn's startup hook, whatever is imported first).
+
+The test folders mirror the packages (core, layers, functional, kernels, cpu, llm/..., cli, emulator);
+the helpers they share live in ``tests/support`` (put on ``sys.path`` here).
+"""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
+# the shared helpers (hf_models, kernel_cases, gguf_files, ...) live in tests/support
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 import metalnn  # noqa: E402,F401
 import numpy as np  # noqa: E402

@@ -8,7 +8,7 @@
     metalnn lora MODEL --train DATA.jsonl   train LoRA adapters (PEFT format)
     metalnn bench MODEL                     prompt and generation speed
 
-MODEL is anything `metalnn.models.load_pretrained` accepts: a Hugging Face folder (float or
+MODEL is anything `metalnn.llm.models.load_pretrained` accepts: a Hugging Face folder (float or
 MLX-quantized), a ``.gguf`` file or a Hub name ``org/name``. Errors a user can fix (a missing file,
 an unsupported architecture, a bad option) print one line and exit with status 1.
 """

@@ -23,7 +23,7 @@ def add_parser(commands):
 
 def measure(model, prompt, new_tokens: int):
     """``(seconds to the first new token, seconds for the rest)`` of one greedy generation."""
-    from ..generation import stream_generate
+    from ..llm.generation import stream_generate
 
     start = time.perf_counter()
     stream = stream_generate(model, prompt, new_tokens, eos_token_id=())

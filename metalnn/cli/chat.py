@@ -35,7 +35,7 @@ def _stderr(text):
 
 
 def chat_loop(session, read=input, write=_stdout, status=_stderr) -> int:
-    """Talk through ``session`` (a `metalnn.chat.ChatSession`): lines from ``read(prompt)``, answers
+    """Talk through ``session`` (a `metalnn.llm.chat.ChatSession`): lines from ``read(prompt)``, answers
     to ``write``, notes and speeds to ``status``. Returns 0 at ``/exit`` or end of input."""
     status(HELP)
     while True:
@@ -72,7 +72,7 @@ def chat_loop(session, read=input, write=_stdout, status=_stderr) -> int:
 
 
 def run(args):
-    from ..chat import ChatSession
+    from ..llm.chat import ChatSession
 
     options = sampling(args)
     model, tok = load(args.model)

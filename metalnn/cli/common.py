@@ -69,7 +69,7 @@ def positive_int(text: str) -> int:
 def load(path, *, tokenizer: bool = True, quiet: bool = False):
     """``(model, tokenizer)`` of a checkpoint (tokenizer None when not asked for); says on stderr
     what was loaded and how long it took."""
-    from ..models import load_pretrained, load_tokenizer
+    from ..llm.models import load_pretrained, load_tokenizer
 
     start = time.perf_counter()
     model = load_pretrained(path)

@@ -33,7 +33,7 @@ def prompt_ids(tokenizer, text: str, chat: bool, system: str | None) -> list[int
 
 
 def run(args, out=None, err=None):
-    from ..text_generation import TextStream
+    from ..llm.text_generation import TextStream
 
     out, err = out or sys.stdout, err or sys.stderr
     options = sampling(args)

@@ -39,8 +39,8 @@ def describe(path) -> dict:
     """The facts `metalnn info` prints, as a dict."""
     import mlx.core as mx
 
-    from ..models import load_tokenizer
-    from ..models.base import dtype_name
+    from ..llm.models import load_tokenizer
+    from ..llm.models.base import dtype_name
     from ..quantization import config_of, eligible_layers, quantized_layers
 
     model, _ = load(path, tokenizer=False, quiet=True)

@@ -1,9 +1,9 @@
 """``metalnn lora MODEL --train DATA.jsonl --out ADAPTERS``: train LoRA adapters, save them as PEFT does.
 
-The model's weights stay frozen; only the adapters train (`metalnn.lora`). On a quantized model
+The model's weights stay frozen; only the adapters train (`metalnn.llm.tuner.lora`). On a quantized model
 (an MLX-quantized folder, a GGUF file, or ``--quantize BITS``) this is QLoRA: the adapters train
 on top of the quantized weights. The data is a JSONL file of chat, prompt/completion or text
-examples (`metalnn.datasets`); by default the loss covers only the answers.
+examples (`metalnn.llm.tuner.datasets`); by default the loss covers only the answers.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def add_parser(commands):
 
 
 def mean_loss(model, data, batch_size, max_length, device) -> float:
-    """Mean batch loss over one pass of ``data`` (a `metalnn.datasets.TextDataset`)."""
-    from .. import datasets
+    """Mean batch loss over one pass of ``data`` (a `metalnn.llm.tuner.datasets.TextDataset`)."""
+    from ..llm.tuner import datasets
 
     source = data.batches(min(batch_size, len(data)), max_length)
     was = model.training
@@ -64,7 +64,7 @@ def run(args):
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from .. import datasets, lora
+    from ..llm.tuner import datasets, lora
     from ..device import Device
     from ..quantization import quantize, quantized_layers
     from ..trainer import Trainer

@@ -25,9 +25,9 @@ def copy_tokenizer(source, folder: Path) -> bool:
     """Put the tokenizer of ``source`` (a model folder, .gguf file or Hub name) into ``folder``:
     a folder's tokenizer files are copied as they are; a GGUF file's vocabulary is written as a
     ``tokenizer.json``. Returns False when the model has no tokenizer."""
-    from ..gguf_file import find_gguf
-    from ..hub import TOKENIZER_FILES, local_path
-    from ..models import load_tokenizer
+    from ..llm.gguf.reader import find_gguf
+    from ..llm.hub import TOKENIZER_FILES, local_path
+    from ..llm.models import load_tokenizer
 
     path = local_path(source, TOKENIZER_FILES)
     if path.is_dir() and (path / "tokenizer.json").exists():

@@ -1,4 +1,4 @@
-"""``metalnn serve MODEL``: the OpenAI-compatible HTTP server and its chat page (`metalnn.server`)."""
+"""``metalnn serve MODEL``: the OpenAI-compatible HTTP server and its chat page (`metalnn.llm.server`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def add_parser(commands):
 
 
 def run(args):
-    from ..server import ServerSettings, serve
+    from ..llm.server import ServerSettings, serve
 
     settings = ServerSettings(host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue,
                               max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,

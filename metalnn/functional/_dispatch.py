@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import fused
+from ..cpu import fused
+from ..cpu.device import on_cpu
 
 KERNEL_BACKENDS = ("metal", "emulate")
 
@@ -30,12 +31,8 @@ def emulator_options(device) -> dict:
     return dict(getattr(device, "emulator_options", None) or {}) if device.kernels == "emulate" else {}
 
 
-def on_cpu() -> bool:
-    """Whether MLX's default device (the one ops run on now) is the CPU."""
-    return mx.default_device().type == mx.DeviceType.cpu
-
 
 def fused_cpu(*arrays) -> bool:
-    """Whether `metalnn.fused`'s native primitives run these arrays: the CPU backend, the extension
+    """Whether `metalnn.cpu.fused`'s native primitives run these arrays: the CPU backend, the extension
     loaded and every array (None entries ignored) float32."""
     return on_cpu() and fused.available() and all(a is None or a.dtype == mx.float32 for a in arrays)

@@ -4,7 +4,7 @@ Names mean what they mean in mlx.nn (and PyTorch, and Hugging Face configs): ``"
 exact erf form; ``"gelu_approx"`` / ``"gelu_tanh"`` (Hugging Face: ``"gelu_new"``,
 ``"gelu_pytorch_tanh"``) the tanh approximation; ``"gelu_fast"`` ``x * sigmoid(1.702 x)``.
 
-``"reference"`` devices run the plain MLX formulas; every other choice runs `metalnn.fastmath`'s
+``"reference"`` devices run the plain MLX formulas; every other choice runs `metalnn.cpu.fastmath`'s
 vectorised primitives where there is one (on the CPU backend; they fall back to the same MLX ops
 elsewhere): MLX's Linux CPU backend evaluates ``exp``/``tanh``/``sigmoid`` one element at a time,
 10-25x slower (``scripts/bench_fastmath.py``).
@@ -16,7 +16,7 @@ import math
 
 import mlx.core as mx
 
-from .. import fastmath, fused
+from ..cpu import fastmath, fused
 from ..device import resolve
 from ._dispatch import fused_cpu
 
@@ -73,7 +73,7 @@ FAST = {
 
 NAMES = tuple(sorted(PLAIN))
 
-# activation name -> the gate `metalnn.fused.gated` computes fused with the product
+# activation name -> the gate `metalnn.cpu.fused.gated` computes fused with the product
 FUSED_GATES = {"silu": "silu", "swish": "silu", "gelu_approx": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "sigmoid": "sigmoid", "tanh": "tanh"}
 
@@ -98,7 +98,7 @@ def gated_activation(gate, up, name: str, device=None):
     """``activation(gate, name) * up``: the product of a gated MLP (SwiGLU, GeGLU, GLU, ReGLU).
 
     On devices other than ``"reference"``, on the CPU backend, for float32 arrays of one shape and
-    the gates of `FUSED_GATES`, `metalnn.fused.gated` computes the gate and the product in one
+    the gates of `FUSED_GATES`, `metalnn.cpu.fused.gated` computes the gate and the product in one
     multi-threaded pass (and both gradients in one more): about 20x less CPU time forward+backward
     than ``nn.silu(a) * b`` (``scripts/bench_kernels.py --ops gated --cpu-time``, one thread).
     """

@@ -6,7 +6,7 @@ import math
 
 import mlx.core as mx
 
-from .. import fused
+from ..cpu import fused
 from ..device import resolve
 from ..kernels import attention as kernels
 from ._dispatch import emulator_options, fused_cpu, kernel_backend
@@ -80,7 +80,7 @@ def _combined_mask(q, k, causal, mask, offset):
 
 
 def _attention_fused(q, k, v, scale, causal):
-    """Attention on the CPU as two matrix products around `metalnn.fused.scaled_softmax` (float32,
+    """Attention on the CPU as two matrix products around `metalnn.cpu.fused.scaled_softmax` (float32,
     no mask array).
 
     MLX's CPU attention evaluates ``exp`` one element at a time; here the scale, the causal mask
@@ -88,7 +88,7 @@ def _attention_fused(q, k, v, scale, causal):
     without copies: query heads are grouped as ``[B, Hkv, rep*Tq, D]`` against ``[B, Hkv, Tk, D]``.
 
     Layouts: ``v`` (typically the transposed view of split heads) is made row-contiguous by
-    `metalnn.fused.contiguous`, whose gradient comes back in ``v``'s own memory order; the
+    `metalnn.cpu.fused.contiguous`, whose gradient comes back in ``v``'s own memory order; the
     output is stored position-major (``[B, Tq, Hq, D]`` in memory, returned as the
     ``[B, Hq, Tq, D]`` view), so merging the heads back is free and the gradient of the output
     reaches the two matrix products row-contiguous.
@@ -133,7 +133,7 @@ def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=Non
     * ``"reference"``: `attention_reference`.
     * ``"auto"``: ``mx.fast.scaled_dot_product_attention``. On the CPU backend, for float32 inputs
       without a mask array and while the native extension is available, the form of
-      `_attention_fused` (two matrix products around `metalnn.fused.scaled_softmax`) instead:
+      `_attention_fused` (two matrix products around `metalnn.cpu.fused.scaled_softmax`) instead:
       ``python scripts/bench_kernels.py --ops attention --cpu-time`` (q ``[2, 8, 256, 64]``, 2 kv
       heads, causal, one thread) measured about 7x less CPU time forward and 3.5x less
       forward+backward than MLX's CPU attention (2-core x86_64, shared machine).

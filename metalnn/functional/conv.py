@@ -16,7 +16,7 @@ Implementation by ``device.kernels`` (every path is differentiable with ``mx.gra
   (grouped 3-D convolutions; transposed convolutions with ``output_padding > padding``, whose MLX
   input gradient has the wrong shape in MLX 0.32), which run the CPU path below. On the CPU backend
   every convolution runs the CPU path (`conv_im2col.conv_cpu` / ``conv_transpose_cpu``:
-  ``W @ im2col(x)`` and ``col2im(W^T @ x)`` with `metalnn.im2col`'s native multi-threaded
+  ``W @ im2col(x)`` and ``col2im(W^T @ x)`` with `metalnn.cpu.im2col`'s native multi-threaded
   primitives, each the other's VJP, so forward and backward are GEMMs plus one im2col or col2im
   each). One thread, CPU time (``scripts/bench_kernels.py --ops conv2d,conv_transpose2d
   --cpu-time``): conv2d (batch 16, 32 -> 64 channels, 32x32, 3x3) forward+backward 1.8x less than
@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from ..device import resolve
 from ..kernels import conv as kernels
-from ..op_math import conv_output_size, conv_transpose_output_size
+from ..kernels.op_math import conv_output_size, conv_transpose_output_size
 from ._dispatch import emulator_options, kernel_backend, on_cpu
 from .conv_im2col import conv_cpu, conv_reference, conv_transpose_cpu, conv_transpose_reference
 

@@ -6,7 +6,7 @@ Two implementations (arguments already validated and normalised to ``n``-tuples 
 * the reference (`conv_reference`, `conv_transpose_reference`): im2col from strided slices of
   the padded input, stacked, and one batched GEMM; the transposed convolution is the same
   convolution of the zero-inserted, padded input with the flipped weight. Plain MLX ops only.
-* the CPU path (`conv_cpu`, `conv_transpose_cpu`): `metalnn.im2col`'s native primitives
+* the CPU path (`conv_cpu`, `conv_transpose_cpu`): `metalnn.cpu.im2col`'s native primitives
   (multi-threaded data movement; MLX-op fallbacks without the extension) around one batched
   GEMM: ``conv = W @ im2col(x)``, ``conv_transpose = col2im(W^T @ x)``. Each primitive's VJP is
   the other, so forward and backward are GEMMs plus one im2col or col2im each.
@@ -19,7 +19,7 @@ import math
 
 import mlx.core as mx
 
-from ..im2col import col2im, im2col
+from ..cpu.im2col import col2im, im2col
 
 __all__ = ["conv_reference", "conv_transpose_reference", "conv_cpu", "conv_transpose_cpu"]
 

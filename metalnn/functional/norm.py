@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import fused
+from ..cpu import fused
 from ..device import resolve
 from ..kernels import rms_norm as kernels
 from ._dispatch import emulator_options, fused_cpu, kernel_backend
@@ -32,7 +32,7 @@ def rms_norm(x, weight, eps: float = 1e-5, device=None):
 
     Same semantics as ``mx.fast.rms_norm``; differentiable in ``x`` and ``weight``. Implementation by
     ``device.kernels``: ``"reference"`` `rms_norm_reference`; ``"auto"`` ``mx.fast.rms_norm``, on the
-    CPU backend for float32 `metalnn.fused.rms_norm` (one multi-threaded pass forward and one
+    CPU backend for float32 `metalnn.cpu.fused.rms_norm` (one multi-threaded pass forward and one
     backward instead of MLX's chain of single-threaded ops; ``scripts/bench_kernels.py --ops
     rms_norm --cpu-time``, one thread, ``[8, 512, 1024]``: about 10x less CPU time forward+backward
     than ``mx.fast.rms_norm``); ``"metal"``/``"emulate"`` the

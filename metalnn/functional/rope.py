@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import fused
+from ..cpu import fused
 from ..device import resolve
 from ..kernels import rope as kernels
-from ..op_math import rope_frequencies
+from ..kernels.op_math import rope_frequencies
 from ._dispatch import emulator_options, fused_cpu, kernel_backend, on_cpu
 from .rope_table import rope_cached
 
@@ -59,7 +59,7 @@ def rope(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: 
 
     Differentiable in ``x``. Implementation by ``device.kernels``: ``"reference"`` `rope_reference`;
     ``"auto"`` ``mx.fast.rope``, on the CPU backend for float32 with an int offset
-    `metalnn.fused.rope` (one multi-threaded pass that also makes the result row-contiguous, e.g.
+    `metalnn.cpu.fused.rope` (one multi-threaded pass that also makes the result row-contiguous, e.g.
     for the transposed view of split heads, and stores the gradient in the input's memory order;
     ``scripts/bench_kernels.py --ops rope --cpu-time``, one thread, ``[4, 16, 512, 128]``: about 4x
     less CPU time forward+backward than ``mx.fast.rope``), and for other float dtypes with an int

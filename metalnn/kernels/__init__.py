@@ -6,5 +6,5 @@ and dtypes, and one function per op launches them, wrapped in an ``mx.custom_fun
 runs the family's backward kernels (built once per static configuration). `launch.run` runs any
 kernel either through ``mx.fast.metal_kernel`` (``"metal"``) or through the CPU emulator
 (``"emulate"``), from the same text. This package imports nothing from `metalnn.functional`;
-arithmetic both need lives in `metalnn.op_math`.
+arithmetic both need lives in `metalnn.kernels.op_math`.
 """

@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ..op_math import conv_output_size, conv_transpose_output_size
+from .op_math import conv_output_size, conv_transpose_output_size
 from . import launch
 
 FAMILY = "conv"

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ..op_math import rope_frequencies
+from .op_math import rope_frequencies
 from . import launch
 
 FAMILY = "rope"

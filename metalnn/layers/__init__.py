@@ -1,6 +1,6 @@
 """metalnn's layers. Every one is a `metalnn.Layer` (an ``mlx.nn.Module``) with ``compile(device, data)``."""
 
-from ..layer import Layer, Layers, Sequential
+from .base import Layer, Layers, Sequential, checkpoint_blocks
 from .adaptive_softmax import AdaptiveSoftmax, AdaptiveSoftmaxOutput
 from .activations import GELU, Activation, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh, activation
 from .attention import KVCache, SelfAttention
@@ -23,7 +23,7 @@ from .softmax import Softmax
 from .transformer import DecoderBlock, TransformerBlock
 
 __all__ = [
-    "Layer", "Layers", "Sequential",
+    "Layer", "Layers", "Sequential", "checkpoint_blocks",
     "Activation", "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation",
     "Linear", "LinearWithWeights", "MulRows", "Embedding", "QuantizedLinear", "QuantizedEmbedding",
     "Flatten", "Identity", "Reshape",

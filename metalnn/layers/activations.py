@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .. import functional as F
 from ..data import Data
-from ..layer import Layer
+from .base import Layer
 
 
 class Activation(Layer):

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .linear import Linear
 
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import fastmath
 from .. import functional as F
 from ..data import Data, MTLSize
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .linear import Linear
 from .norm import RMSNorm
 
@@ -171,7 +170,7 @@ class SelfAttention(Layer):
     def _head_norm(self, name, norm, device, x):
         """Per-head RMSNorm of ``x`` ``[B, T, n*hd]`` (each head normalised over its ``hd``)."""
         b, t = x.shape[0], x.shape[1]
-        y = self.compile_child(name, norm, device, Data(x.reshape(b, -1, self.head_dim))).array
+        y = self.compile_child(norm, device, Data(x.reshape(b, -1, self.head_dim))).array
         return y.reshape(b, t, -1)
 
     def _window_mask(self, t, k, v):
@@ -189,9 +188,9 @@ class SelfAttention(Layer):
     def forward(self, device, data, cache=None):
         d = data.dims
         b, t, hd = d.D, d.H, self.head_dim
-        q = self.compile_child("q_proj", self.q_proj, device, data).array
-        k = self.compile_child("k_proj", self.k_proj, device, data).array
-        v = self.compile_child("v_proj", self.v_proj, device, data).array
+        q = self.compile_child(self.q_proj, device, data).array
+        k = self.compile_child(self.k_proj, device, data).array
+        v = self.compile_child(self.v_proj, device, data).array
         gate = None
         if self.output_gate:
             qg = q.reshape(b, t, self.num_heads, 2 * hd)
@@ -217,9 +216,9 @@ class SelfAttention(Layer):
         o = F.attention(q, k, v, scale=self.scale, causal=self.causal, mask=mask, device=device)
         o = merge_heads(o, b, t)
         if gate is not None:
-            o = o * fastmath.sigmoid(gate)
+            o = o * F.activation(gate, "sigmoid", device=device)
         o = Data(o, MTLSize(self.num_heads * hd, t, b))
-        return self.compile_child("o_proj", self.o_proj, device, o)
+        return self.compile_child(self.o_proj, device, o)
 
     def _extra_repr(self):
         extra = "".join(f", {k}=True" for k in ("qk_norm", "output_gate") if getattr(self, k))

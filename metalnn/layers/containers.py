@@ -1,12 +1,12 @@
 """`Parallel`: the same input through several branches, their outputs combined. (`Layers` /
-`Sequential`, the chain, lives in `metalnn.layer`.)"""
+`Sequential`, the chain, lives in `metalnn.layers.base`.)"""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from ..layer import Layer, Layers, no_positional
+from .base import Layer, Layers, no_positional
 from .linear import Linear
 
 COMBINE_MODES = ("concat", "add", "avg", "filter", "grid_scatter")
@@ -39,7 +39,7 @@ class Parallel(Layer):
             self.gate = Linear(len(self.branches))
 
     def forward(self, device, data):
-        outs = [self.compile_child(f"branches.{i}", b, device, data) for i, b in enumerate(self.branches)]
+        outs = [self.compile_child(b, device, data) for i, b in enumerate(self.branches)]
         first = outs[0].dims
         for i, o in enumerate(outs[1:], 1):
             if self.combine == "grid_scatter":
@@ -59,6 +59,6 @@ class Parallel(Layer):
             return Data(sum(arrays[1:], arrays[0]), first)
         if self.combine == "avg":
             return Data(sum(arrays[1:], arrays[0]) / len(arrays), first)
-        weights = mx.softmax(self.compile_child("gate", self.gate, device, data).array, axis=-1)
+        weights = mx.softmax(self.compile_child(self.gate, device, data).array, axis=-1)
         y = sum(weights[..., i:i + 1] * a for i, a in enumerate(arrays))
         return Data(y, first)

@@ -43,7 +43,7 @@ import mlx.core as mx
 from .. import init as initializers
 from ..data import Data, MTLSize
 from ..functional import conv as Fconv
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .linear import float_dtype
 
 

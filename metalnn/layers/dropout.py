@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..data import Data
-from ..layer import Layer
+from .base import Layer
 
 
 class Dropout(Layer):

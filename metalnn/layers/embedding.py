@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 
 
 class Embedding(Layer):

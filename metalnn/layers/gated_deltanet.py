@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from .. import functional as F
 from ..data import Data, MTLSize
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .conv import Conv1D
 from .linear import Linear, float_dtype
 from .norm import GatedRMSNorm
@@ -147,7 +147,7 @@ class GatedDeltaNet(Layer):
         xp = mx.concatenate([prev, x], axis=1)                              # [B, kw - 1 + T, C]
         if cache is not None:
             cache.conv_state = xp[:, xp.shape[1] - (kw - 1):]
-        y = self.compile_child_array("conv1d", self.conv1d, device, xp)   # [B, T, C] (no padding)
+        y = self.compile_child_array(self.conv1d, device, xp)   # [B, T, C] (no padding)
         return F.activation(y, self.activation, device=device)
 
     def _project(self, device, data):
@@ -157,14 +157,14 @@ class GatedDeltaNet(Layer):
         B, T = d.D, d.H
         hk, hv, dk, dv = self.n_k_heads, self.n_v_heads, self.head_k_dim, self.head_v_dim
         if self.separate_projections:
-            mixed = self.compile_child("in_proj_qkv", self.in_proj_qkv, device, data).array
-            z = self.compile_child("in_proj_z", self.in_proj_z, device, data).array.reshape(B, T, hv, dv)
-            b = self.compile_child("in_proj_b", self.in_proj_b, device, data).array
-            a = self.compile_child("in_proj_a", self.in_proj_a, device, data).array
+            mixed = self.compile_child(self.in_proj_qkv, device, data).array
+            z = self.compile_child(self.in_proj_z, device, data).array.reshape(B, T, hv, dv)
+            b = self.compile_child(self.in_proj_b, device, data).array
+            a = self.compile_child(self.in_proj_a, device, data).array
             return mixed, z, b, a
         r = hv // hk
-        qkvz = self.compile_child("in_proj_qkvz", self.in_proj_qkvz, device, data).array
-        ba = self.compile_child("in_proj_ba", self.in_proj_ba, device, data).array
+        qkvz = self.compile_child(self.in_proj_qkvz, device, data).array
+        ba = self.compile_child(self.in_proj_ba, device, data).array
         # Per key-head group: [q (dk), k (dk), v (r*dv), z (r*dv)] and [b (r), a (r)].
         qkvz = qkvz.reshape(B, T, hk, 2 * dk + 2 * r * dv)
         q = qkvz[..., :dk]
@@ -197,9 +197,9 @@ class GatedDeltaNet(Layer):
         if cache is not None:
             cache.recurrent_state = state
             cache.offset += T
-        o = self.compile_child("norm", self.norm, device, Data(o.reshape(B * T, hv, dv)), gate=z).array
+        o = self.compile_child(self.norm, device, Data(o.reshape(B * T, hv, dv)), gate=z).array
         o = Data(o.reshape(B, T, self.value_dim), MTLSize(self.value_dim, T, B))
-        return self.compile_child("out_proj", self.out_proj, device, o)
+        return self.compile_child(self.out_proj, device, o)
 
     def _extra_repr(self):
         return (f"n_k_heads={self.n_k_heads}, n_v_heads={self.n_v_heads}, head_k_dim={self.head_k_dim}, "

@@ -11,7 +11,7 @@ import math
 
 from .. import functional as F
 from ..data import Data
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .dropout import Dropout
 from .linear import Linear
 
@@ -89,14 +89,14 @@ class MLP(Layer):
         self._create(dims.W)
 
     def forward(self, device, data):
-        up = self.compile_child("up_proj", self.up_proj, device, data).array
+        up = self.compile_child(self.up_proj, device, data).array
         if self.is_gated:
-            gate = self.compile_child("gate_proj", self.gate_proj, device, data).array
+            gate = self.compile_child(self.gate_proj, device, data).array
             h = F.gated_activation(gate, up, self.gate_activation, device=device)
         else:
             h = F.activation(up, self.activation, device=device)
-        h = self.compile_child("dropout", self.dropout, device, Data(h, data.dims._replace(W=self.hidden_dims)))
-        return self.compile_child("down_proj", self.down_proj, device, h)
+        h = self.compile_child(self.dropout, device, Data(h, data.dims._replace(W=self.hidden_dims)))
+        return self.compile_child(self.down_proj, device, h)
 
     def flop_count(self, num_tokens: int) -> int:
         """FLOPs for ``num_tokens`` positions: 2 per multiply-add in every projection, 1 per

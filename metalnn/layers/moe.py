@@ -15,31 +15,12 @@ import mlx.core as mx
 from .. import functional as F
 from .. import init as initializers
 from ..data import Data, MTLSize
-from ..functional._dispatch import on_cpu
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .linear import Linear, float_dtype
 from .mlp import SwiGLU
 
 #: Sort the (token, expert) pairs by expert before the grouped products from this many pairs on.
 SORT_FROM = 64
-
-
-def gather_matmul(x, w, idx, sorted_indices=False):
-    """``x @ w[idx].T`` for stacked weights ``w`` ``[E, out, in]`` (``mx.gather_mm``).
-
-    MLX's CPU ``gather_mm`` takes float32 only: on the CPU, other dtypes are computed in float32
-    (gathering just the selected matrices when there are no more (token, expert) pairs than
-    experts, as in decoding) and cast back.
-    """
-    wt = mx.swapaxes(w, -1, -2)
-    if (x.dtype == mx.float32 and w.dtype == mx.float32) or not on_cpu():
-        return mx.gather_mm(x, wt, rhs_indices=idx, sorted_indices=sorted_indices)
-    f32 = mx.float32
-    if idx.size <= w.shape[0]:
-        y = x.astype(f32) @ wt[idx].astype(f32)
-    else:
-        y = mx.gather_mm(x.astype(f32), wt.astype(f32), rhs_indices=idx, sorted_indices=sorted_indices)
-    return y.astype(x.dtype)
 
 
 class SwitchGLU(Layer):
@@ -96,10 +77,10 @@ class SwitchGLU(Layer):
             idx = flat[order]                                            # [N*k]
         else:
             xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
-        h = gather_matmul(xe, self.gate_up_proj, idx, order is not None)
+        h = F.gather_matmul(xe, self.gate_up_proj, idx, order is not None)
         gate, up = h[..., :self.hidden_dims], h[..., self.hidden_dims:]
         act = F.activation(gate, self.activation, device=device)
-        y = gather_matmul(act * up, self.down_proj, idx, order is not None)                # [..., 1, W]
+        y = F.gather_matmul(act * up, self.down_proj, idx, order is not None)                # [..., 1, W]
         if order is not None:
             y = y[mx.argsort(order)].reshape(n, k, -1)
         else:
@@ -191,15 +172,15 @@ class SparseMoE(Layer):
         d = data.dims
         x = data.array.reshape(-1, d.W)
         rows = Data(x, MTLSize(d.W, 1, x.shape[0]))
-        logits = self.compile_child("gate", self.gate, device, rows).array.reshape(-1, self.num_experts)
+        logits = self.compile_child(self.gate, device, rows).array.reshape(-1, self.num_experts)
         if self.record_router_logits:
             self._record.logits = logits
         weights, ids = self.route(logits)
-        y = self.compile_child("experts", self.experts, device, rows, indices=ids).array     # [N, k, W]
+        y = self.compile_child(self.experts, device, rows, indices=ids).array     # [N, k, W]
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=1)
         if "shared_expert" in self:
-            s = self.compile_child("shared_expert", self.shared_expert, device, rows).array.reshape(-1, d.W)
-            g = self.compile_child("shared_expert_gate", self.shared_expert_gate, device, rows).array.reshape(-1, 1)
+            s = self.compile_child(self.shared_expert, device, rows).array.reshape(-1, d.W)
+            g = self.compile_child(self.shared_expert_gate, device, rows).array.reshape(-1, 1)
             y = y + F.activation(g, "sigmoid", device=device) * s
         return Data(y.reshape(data.array.shape[:-1] + (d.W,)), d)
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from .. import functional as F
 from ..data import Data
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .linear import float_dtype
 
 

@@ -15,7 +15,7 @@ import itertools
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 
 
 def _pair(v, name, layer):

@@ -4,8 +4,7 @@ A quantized weight is stored as MLX stores it (``mx.quantize``): ``weight`` hold
 into ``uint32`` words (``[out, in * bits / 32]``), ``scales`` (and, in ``"affine"`` mode, ``biases``)
 hold one float per group of ``group_size`` consecutive inputs (``[out, in / group_size]``). The
 affine value of an element is ``scales * q + biases``. The products run on
-``mx.quantized_matmul`` (on the CPU, affine mode: metalnn's native kernels of `metalnn.qmatmul`,
-unless the device asks for the ``"reference"`` kernels) and lookups on ``mx.dequantize``; the
+`metalnn.functional.quantized_matmul` (``mx.quantized_matmul``, or on the CPU metalnn's native kernels) and lookups on ``mx.dequantize``; the
 parameters are frozen (gradients still flow to the input, so adapters can be trained on top of a
 quantized model).
 
@@ -21,11 +20,9 @@ import math
 import mlx.core as mx
 
 from .. import init as initializers
-from .. import qmatmul
 from ..data import Data, MTLSize
-from ..device import resolve
-from ..functional._dispatch import on_cpu
-from ..layer import Layer, no_positional
+from .. import functional as F
+from .base import Layer, no_positional
 from .linear import float_dtype
 
 #: mode -> (allowed group sizes, allowed bits, default group size, default bits), as mx.quantize documents
@@ -53,66 +50,6 @@ def quant_settings(group_size=None, bits=None, mode="affine", where="quantize"):
     return int(group_size), int(bits), mode
 
 
-#: rows from which a product on the CPU dequantizes the weight once and multiplies in float (BLAS):
-#: MLX's CPU ``quantized_matmul`` unpacks the whole weight again for every row, so a prompt of T
-#: tokens would cost T unpackings (measured: one unpacking costs about as much as 4 rows)
-CPU_DEQUANTIZE_ROWS = 6
-
-#: with metalnn's native kernels (`metalnn.qmatmul`, the ``"auto"`` kernels on the CPU), fewer rows
-#: than this run the native quantized product; more rows dequantize natively and multiply in float.
-#: ``python scripts/bench_generate.py --rows`` measured the crossover at 8-16 rows for SmolLM2's
-#: shapes (2-core x86_64, shared machine)
-CPU_NATIVE_ROWS = 12
-
-
-def _quantize(w, group_size, bits, mode):
-    """``(weight, scales, biases or None)`` of a float matrix."""
-    out = mx.quantize(w, group_size, bits, mode=mode)
-    return out[0], out[1], (out[2] if len(out) > 2 else None)
-
-
-def _dequantize(w, scales, biases, group_size, bits, mode, dtype=None):
-    if dtype is not None and mx.issubdtype(scales.dtype, mx.floating) and scales.dtype != dtype:
-        scales = scales.astype(dtype)  # mx.dequantize computes in the scales' dtype
-        biases = None if biases is None else biases.astype(dtype)
-    return mx.dequantize(w, scales, biases, group_size, bits, mode=mode, dtype=dtype)
-
-
-def _dequantize_native(w, scales, biases, group_size, bits, mode, dtype):
-    """`_dequantize` on `metalnn.qmatmul` (native on the CPU in affine mode, else MLX's op)."""
-    return qmatmul.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _dequantized_product(group_size, bits, mode, has_biases, dtype, native):
-    """``f(x, weight, scales[, biases]) = x @ dequantize(weight, dtype).T`` whose backward dequantizes
-    the weight again instead of keeping the forward's float copy: training through quantized layers
-    then holds only their packed weights between the passes, not a float model's worth
-    (``mx.depends`` on the cotangent keeps ``mx.compile`` from merging the two dequantizations).
-    Gradients: the input's, and the scales' / biases' (computed only when asked for). ``native``:
-    dequantize with `metalnn.qmatmul` rather than ``mx.dequantize``."""
-    dequantize = _dequantize_native if native else _dequantize
-
-    def weight(packed):
-        return dequantize(packed[0], packed[1], packed[2] if has_biases else None, group_size, bits, mode, dtype)
-
-    @mx.custom_function
-    def product(x, *packed):
-        return x @ weight(packed).T
-
-    @product.vjp
-    def product_vjp(primals, cotangent, output):
-        x, *packed = primals
-        later = mx.depends(list(packed), [cotangent])
-        dx = (cotangent @ weight(later)).astype(x.dtype)
-        dw = cotangent.reshape(-1, cotangent.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-        _, (d_scales, *d_biases) = mx.vjp(lambda *sb: [weight((later[0], *sb))], list(later[1:]),
-                                          [dw.astype(dtype)])
-        return (dx, mx.zeros_like(packed[0]), d_scales, *d_biases)
-
-    return product
-
-
 class _Quantized(Layer):
     """What the quantized layers share: settings, packed sizes and freezing."""
 
@@ -137,7 +74,7 @@ class _Quantized(Layer):
     def dequantized_weight(self, dtype=None) -> mx.array:
         """The float weight ``[rows, width]`` these parameters stand for (in ``dtype``, default
         the scales'; computed in ``dtype``, so float32 gives ``scales * q + biases`` exactly)."""
-        return _dequantize(self.weight, self.scales, self._biases(), self.group_size, self.bits, self.mode, dtype)
+        return F.dequantize_weight(self.weight, self.scales, self._biases(), self.group_size, self.bits, self.mode, dtype)
 
     @property
     def dtype(self):
@@ -150,37 +87,14 @@ class _Quantized(Layer):
             raise ValueError(f"{self._describe()}: {what} {width} is not a multiple of group_size {self.group_size}")
 
     def _qmatmul(self, x, device=None, recompute: bool = True):
-        """``x @ W.T`` for ``x`` ``[..., width]``.
-
-        ``device.kernels == "reference"`` runs MLX's ops (``mx.quantized_matmul``, or
-        ``mx.dequantize`` and a float product for many rows on the CPU); the other choices run
-        `metalnn.qmatmul` (native CPU primitives in affine mode when the extension is loaded,
-        else the same MLX ops): its product for few rows, its dequantize and a float product for
-        many rows on the CPU. ``recompute``: a dequantized weight is dequantized again in the
-        backward pass (`_dequantized_product`) rather than kept from the forward.
-        """
-        rows = x.size // max(x.shape[-1], 1)
-        b = self._biases()
-        reference = resolve(device).kernels == "reference"
-        if not on_cpu() or rows < (CPU_DEQUANTIZE_ROWS if reference else CPU_NATIVE_ROWS):
-            if reference:
-                return mx.quantized_matmul(x, self.weight, self.scales, b, transpose=True,
-                                           group_size=self.group_size, bits=self.bits, mode=self.mode)
-            return qmatmul.quantized_matmul(x, self.weight, self.scales, b, group_size=self.group_size,
-                                            bits=self.bits, mode=self.mode)
-        dtype = x.dtype if x.dtype == self.scales.dtype else mx.float32  # the product's promoted dtype
-        if not mx.issubdtype(self.scales.dtype, mx.floating):  # the e8m0 / e4m3 scales of the mx/nv modes
-            dtype = x.dtype
-        if not recompute:
-            dequantize = _dequantize if reference else _dequantize_native
-            return x @ dequantize(self.weight, self.scales, b, self.group_size, self.bits, self.mode, dtype).T
-        product = _dequantized_product(self.group_size, self.bits, self.mode, b is not None, dtype, not reference)
-        return product(x, self.weight, self.scales, *([] if b is None else [b]))
+        """``x @ W.T`` for ``x`` ``[..., width]`` (`metalnn.functional.quantized_matmul`)."""
+        return F.quantized_matmul(x, self.weight, self.scales, self._biases(), group_size=self.group_size,
+                                  bits=self.bits, mode=self.mode, device=device, recompute=recompute)
 
 
 class QuantizedLinear(_Quantized):
     """``y = x @ W.T + bias`` with ``W`` stored quantized (``mx.quantized_matmul``, or on the CPU
-    `metalnn.qmatmul`'s native kernels).
+    `metalnn.cpu.qmatmul`'s native kernels).
 
     Input dims ``(W=in_features, H, D)`` -> ``(W=out_features, H, D)``; a plain array
     ``[..., in_features]`` gives ``[..., out_features]``. Parameters: ``weight`` (uint32
@@ -221,7 +135,7 @@ class QuantizedLinear(_Quantized):
         self._check_group(in_features, "in_features")
         init = initializers.FanInUniform()
         w = init((self.out_features, in_features), in_features, self.out_features, next_key(), dtype)
-        self._set_quantized(*_quantize(w, self.group_size, self.bits, self.mode))
+        self._set_quantized(*F.quantize_weight(w, self.group_size, self.bits, self.mode))
         if self.use_bias:
             self.bias = mx.zeros((self.out_features,), dtype=dtype)
         self.freeze()
@@ -250,7 +164,7 @@ class QuantizedLinear(_Quantized):
         out_f, in_f = linear.weight.shape
         layer = cls(out_f, bias="bias" in linear, group_size=group_size, bits=bits, mode=mode)
         layer._check_group(in_f, f"{linear._describe()}: in_features")
-        layer._set_quantized(*_quantize(linear.weight, layer.group_size, layer.bits, layer.mode))
+        layer._set_quantized(*F.quantize_weight(linear.weight, layer.group_size, layer.bits, layer.mode))
         if "bias" in linear:
             layer.bias = linear.bias
         layer._path = linear._path
@@ -289,7 +203,7 @@ class QuantizedEmbedding(_Quantized):
         w = initializers.Normal(math.sqrt(1.0 / self.dims))((self.num_embeddings, self.dims), self.dims,
                                                              self.num_embeddings, initializers.construction_key(),
                                                              dtype or mx.float32)
-        self._set_quantized(*_quantize(w, self.group_size, self.bits, self.mode))
+        self._set_quantized(*F.quantize_weight(w, self.group_size, self.bits, self.mode))
         self.freeze()
         self._built = True
 
@@ -301,7 +215,7 @@ class QuantizedEmbedding(_Quantized):
         batch = d.H * d.D
         ids = ids.reshape(batch, d.W)
         b = self._biases()
-        y = _dequantize(self.weight[ids], self.scales[ids], None if b is None else b[ids], self.group_size, self.bits,
+        y = F.dequantize_weight(self.weight[ids], self.scales[ids], None if b is None else b[ids], self.group_size, self.bits,
                         self.mode, self.dtype)
         return Data(y, MTLSize(self.dims, d.W, batch))
 
@@ -331,7 +245,7 @@ class QuantizedEmbedding(_Quantized):
         if dims % group_size:
             raise ValueError(f"QuantizedEmbedding.from_embedding: {embedding._describe()}: dims {dims} is not a "
                              f"multiple of group_size {group_size}")
-        layer = cls.from_quantized(*_quantize(embedding.weight, group_size, bits, mode), group_size=group_size,
+        layer = cls.from_quantized(*F.quantize_weight(embedding.weight, group_size, bits, mode), group_size=group_size,
                                    bits=bits, mode=mode)
         layer._path = embedding._path
         return layer

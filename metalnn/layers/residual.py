@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..data import Data
-from ..layer import Layer, Layers
+from .base import Layer, Layers
 
 
 class Residual(Layer):
@@ -22,6 +22,6 @@ class Residual(Layer):
             self.inner = Layers(*layers)
 
     def forward(self, device, data):
-        out = self.compile_child("inner", self.inner, device, data)
+        out = self.compile_child(self.inner, device, data)
         self.require(out.dims == data.dims, f"inner output dims equal to input dims {data.dims}", f"{out.dims}")
         return Data(data.array + out.array, data.dims)

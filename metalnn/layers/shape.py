@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..data import Data, MTLSize
-from ..layer import Layer
+from .base import Layer
 
 
 class Identity(Layer):

@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .adaptive_softmax import AdaptiveSoftmax
 
 VARIANTS = ("standard", "temperature", "masked", "gumbel", "sparsemax", "entmax", "grid", "hierarchical", "adaptive",

@@ -8,7 +8,7 @@ Parameter names follow Hugging Face, so a stack of blocks loads a checkpoint's
 from __future__ import annotations
 
 from ..data import Data
-from ..layer import Layer, no_positional
+from .base import Layer, no_positional
 from .attention import SelfAttention
 from .mlp import SwiGLU
 from .norm import RMSNorm
@@ -52,11 +52,11 @@ class DecoderBlock(Layer):
         return self[self.mixer_name]
 
     def forward(self, device, data, cache=None):
-        h = self.compile_child("input_layernorm", self.input_layernorm, device, data)
-        h = self.compile_child(self.mixer_name, self.mixer, device, h, cache=cache)
+        h = self.compile_child(self.input_layernorm, device, data)
+        h = self.compile_child(self.mixer, device, h, cache=cache)
         x = data.array + h.array
-        h = self.compile_child("post_attention_layernorm", self.post_attention_layernorm, device, Data(x, data.dims))
-        h = self.compile_child("mlp", self.mlp, device, h)
+        h = self.compile_child(self.post_attention_layernorm, device, Data(x, data.dims))
+        h = self.compile_child(self.mlp, device, h)
         return Data(x + h.array, data.dims)
 
 

@@ -1,0 +1,218 @@
+"""GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm pre-norm blocks, fused-qkv attention.
+
+Parameter names equal Hugging Face's (``transformer.wte.weight``, ``transformer.h.<i>.attn.c_attn.weight``,
+...). Hugging Face stores GPT-2's projection weights (its ``Conv1D``) as ``[in, out]``; metalnn's
+`Linear` keeps ``[out, in]``, so they are transposed on load and transposed back on save.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ... import functional as F
+from ... import init as initializers
+from ...data import Data, MTLSize
+from ...errors import UnsupportedConfigError
+from ...layers.base import Layer
+from ...layers.attention import merge_heads, split_heads
+from ...layers.embedding import Embedding
+from ...layers.linear import Linear
+from ...layers.norm import LayerNorm
+from .base import CausalLM
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Hugging Face GPT-2 activation names -> metalnn's (gelu_fast is GPT-2's tanh form with other constants)
+_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
+         "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+class GPT2Attention(Layer):
+    """GPT-2's causal multi-head attention: one fused ``c_attn`` projection to q, k, v and ``c_proj``.
+
+    No rotary embeddings (GPT-2 adds learned positions to the input). ``c_attn.weight`` is
+    ``[3W, W]`` in metalnn's ``[out, in]`` layout; Hugging Face stores GPT-2's as ``[in, out]``
+    (its ``Conv1D``), which the GPT-2 model transposes on load and save.
+
+    Args:
+        n_heads: attention heads (``W`` must be divisible by it).
+        bias: biases on both projections (GPT-2 has them).
+        scale: score scale (default ``head_dim ** -0.5``).
+    """
+
+    fixed_axes = ("W",)
+
+    def __init__(self, n_heads: int, *, bias: bool = True, causal: bool = True, scale: float | None = None,
+                 init=None):
+        super().__init__()
+        self.n_heads = int(n_heads)
+        self.use_bias = bias
+        self.causal = causal
+        self.scale = scale
+        self._init = init
+
+    def build(self, device, dims, dtype):
+        self.require(dims.W % self.n_heads == 0, f"a width divisible by n_heads={self.n_heads}", f"W={dims.W}")
+        if "c_attn" not in self:
+            self.c_attn = Linear(3 * dims.W, bias=self.use_bias, init=self._init)
+            self.c_proj = Linear(dims.W, bias=self.use_bias, init=self._init)
+
+    def forward(self, device, data, cache=None):
+        d = data.dims
+        b, t, n = d.D, d.H, self.n_heads
+        hd = d.W // n
+        qkv = self.compile_child(self.c_attn, device, data).array
+        q, k, v = mx.split(qkv, 3, axis=-1)
+        q, k, v = (split_heads(a, b, t, n, hd) for a in (q, k, v))
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(hd)
+        o = F.attention(q, k, v, scale=scale, causal=self.causal, device=device)
+        o = Data(merge_heads(o, b, t), d)
+        return self.compile_child(self.c_proj, device, o)
+
+
+class GPT2MLP(Layer):
+    """GPT-2's feed-forward: ``c_proj(act(c_fc(x)))`` with biases (``act``: the tanh GELU).
+
+    ``c_fc``: ``[intermediate, W]``, ``c_proj``: ``[W, intermediate]`` in metalnn's ``[out, in]``
+    layout (Hugging Face stores GPT-2's transposed; the model converts).
+    """
+
+    fixed_axes = ("W",)
+
+    def __init__(self, intermediate: int, *, activation: str = "gelu_tanh", bias: bool = True, init=None):
+        super().__init__()
+        self.intermediate = int(intermediate)
+        self.activation = F.check_activation(activation)
+        self.use_bias = bias
+        self.c_fc = Linear(self.intermediate, bias=bias, init=init)
+        self._init = init
+
+    def build(self, device, dims, dtype):
+        self.c_proj = Linear(dims.W, bias=self.use_bias, init=self._init)
+
+    def forward(self, device, data):
+        h = self.compile_child(self.c_fc, device, data).array
+        h = Data(F.activation(h, self.activation, device=device), data.dims._replace(W=self.intermediate))
+        return self.compile_child(self.c_proj, device, h)
+
+
+class GPT2Block(Layer):
+    """``h = x + attn(ln_1(x)); out = h + mlp(ln_2(h))`` with GPT-2's names."""
+
+    fixed_axes = ("W",)
+    is_block = True
+
+    def __init__(self, n_heads: int, intermediate: int, *, eps: float = 1e-5, scale: float | None = None,
+                 activation: str = "gelu_tanh", init=None):
+        super().__init__()
+        self.ln_1 = LayerNorm(eps=eps)
+        self.attn = GPT2Attention(n_heads, scale=scale, init=init)
+        self.ln_2 = LayerNorm(eps=eps)
+        self.mlp = GPT2MLP(intermediate, activation=activation, init=init)
+
+    def forward(self, device, data, cache=None):
+        h = self.compile_child(self.ln_1, device, data)
+        h = self.compile_child(self.attn, device, h, cache=cache)
+        x = data.array + h.array
+        h = self.compile_child(self.ln_2, device, Data(x, data.dims))
+        h = self.compile_child(self.mlp, device, h)
+        return Data(x + h.array, data.dims)
+
+
+
+class GPT2Model(Layer):
+    """Token and position embeddings, blocks and final LayerNorm (``transformer.*`` in a checkpoint)."""
+
+    def __init__(self, vocab_size, n_positions, n_embd, blocks, eps, init_std=0.02):
+        super().__init__()
+        self.wte = Embedding(vocab_size, n_embd, init=initializers.Normal(init_std))
+        self.wpe = Embedding(n_positions, n_embd, init=initializers.Normal(init_std))
+        self.h = blocks
+        self.ln_f = LayerNorm(n_embd, eps=eps)
+
+    def forward(self, device, data, cache=None):
+        x = self.compile_child(self.wte, device, data)
+        offset = cache[0].offset if cache is not None else 0
+        pos = mx.arange(offset, offset + x.dims.H, dtype=mx.int32)[None]
+        p = self.compile_child(self.wpe, device, Data(pos))
+        h = Data(x.array + p.array, x.dims)
+        for i, block in enumerate(self.h):
+            h = self.compile_child(block, device, h, cache=cache[i] if cache is not None else None)
+        return self.compile_child(self.ln_f, device, h)
+
+
+class GPT2LMHeadModel(CausalLM):
+    """GPT-2 built from a Hugging Face ``GPT2Config`` dict.
+
+    Honoured config keys: ``vocab_size``, ``n_positions``, ``n_embd``, ``n_layer``, ``n_head``,
+    ``n_inner``, ``activation_function``, ``layer_norm_epsilon``, ``scale_attn_weights``,
+    ``scale_attn_by_inverse_layer_idx``, ``tie_word_embeddings`` (default True),
+    ``initializer_range``.
+    """
+
+    architecture = "GPT2LMHeadModel"
+    model_type = "gpt2"
+
+    def _build(self):
+        c = self.config
+        if c.get("add_cross_attention"):
+            raise UnsupportedConfigError("GPT-2 with cross-attention (add_cross_attention) is not supported")
+        n_embd, n_head = int(c["n_embd"]), int(c["n_head"])
+        act = c.get("activation_function", "gelu_new")
+        if act not in _ACTS:
+            raise UnsupportedConfigError(f"activation_function {act!r} is not supported")
+        inner = int(c.get("n_inner") or 4 * n_embd)
+        init = initializers.Normal(float(c.get("initializer_range", 0.02)))  # transformers' init
+        eps = float(c.get("layer_norm_epsilon", 1e-5))
+        blocks = []
+        for i in range(int(c["n_layer"])):
+            scale = 1.0 / math.sqrt(n_embd // n_head) if c.get("scale_attn_weights", True) else 1.0
+            if c.get("scale_attn_by_inverse_layer_idx", False):
+                scale /= float(i + 1)
+            blocks.append(GPT2Block(n_head, inner, eps=eps, scale=scale, activation=_ACTS[act], init=init))
+        self.tie_word_embeddings = bool(c.get("tie_word_embeddings", True))
+        self.transformer = GPT2Model(int(c["vocab_size"]), int(c.get("n_positions", 1024)), n_embd, blocks, eps,
+                                     float(c.get("initializer_range", 0.02)))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(int(c["vocab_size"]), bias=False, init=init)
+
+    @property
+    def num_layers(self):
+        return len(self.transformer.h)
+
+    @property
+    def max_positions(self):
+        return int(self.config.get("n_positions", 1024))
+
+    def forward(self, device, data, cache=None):
+        ids = self._token_batch(data)
+        b, t = ids.shape
+        self._check_positions(cache, t)
+        h = self.compile_child(self.transformer, device, Data(ids), cache=cache)
+        if self.tie_word_embeddings:
+            return Data(self.transformer.wte.as_linear(h.array, device=device), MTLSize(self.vocab_size, t, b))
+        return self.compile_child(self.lm_head, device, h)
+
+    def rename_weight(self, name):
+        if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
+            return None  # causal-mask buffers of older checkpoints
+        if name == "lm_head.weight":
+            return None if self.tie_word_embeddings else name
+        if not name.startswith("transformer."):
+            name = "transformer." + name  # checkpoints saved from GPT2Model have no prefix
+        return name
+
+    def transform_weight(self, name, array):
+        # quantized (packed uint32) weights are stored in metalnn's [out, in] layout already
+        if name.endswith(_CONV1D) and array.ndim == 2 and mx.issubdtype(array.dtype, mx.floating):
+            return array.T
+        return array
+
+    def export_weights(self):
+        out = {}
+        for name, a in self.named_parameters().items():
+            out[name] = a.T if name.endswith(_CONV1D) and mx.issubdtype(a.dtype, mx.floating) else a
+        return out

@@ -1,0 +1,133 @@
+"""An OpenAI-compatible HTTP server for one model, with a chat page (``metalnn serve MODEL``).
+
+Endpoints:
+
+* ``GET /``: a self-contained chat page (no external resources) that talks to the streaming
+  endpoint below;
+* ``GET /v1/models``: the one model served;
+* ``POST /v1/chat/completions``: ``messages`` through the model's chat template;
+* ``POST /v1/completions``: a plain ``prompt``;
+* ``GET /health``: ``{"status": "ok", ...}`` with the queue's state and request counts.
+
+Both generation endpoints take ``max_tokens`` (chat also ``max_completion_tokens``),
+``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``, ``stop`` (up to 4 strings),
+``stream`` (server-sent events ending with ``data: [DONE]``) and ``stream_options.include_usage``,
+and answer with ``usage`` counts (plus ``timings``: the server's measured speeds).
+
+One worker thread generates, one request at a time, in arrival order; up to ``max_queue``
+requests wait, more are answered 503. A client that disconnects cancels its generation. Bad
+requests get a 4xx with an OpenAI-style ``{"error": {...}}`` body. SIGTERM (or Ctrl-C) stops the
+server cleanly: running answers are cut short, the worker stops, the process exits with status 0.
+
+Built on FastAPI (routes, request validation with pydantic) and uvicorn (the HTTP server).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .app import create_app
+
+__all__ = ["ServerSettings", "create_app", "serve"]
+
+
+@dataclass
+class ServerSettings:
+    """How `serve` runs.
+
+    Attributes:
+        host, port: where to listen (127.0.0.1: this machine only; port 0 picks a free port).
+        model_name: the model's id in the API (default: the checkpoint's file or folder name).
+        max_queue: requests that may wait while one generates; more get HTTP 503.
+        max_tokens: new tokens for a request that does not say (always within the context length).
+        max_body_bytes: largest request body; larger ones get HTTP 413.
+        log_level: uvicorn's log level.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model_name: str | None = None
+    max_queue: int = 16
+    max_tokens: int = 1024
+    max_body_bytes: int = 1 << 20
+    log_level: str = "info"
+
+
+def model_name(source) -> str:
+    """The API id of a checkpoint: a Hub name as it is, else the file or folder name."""
+    path = Path(str(source))
+    if path.exists():
+        return path.resolve().name
+    return str(source)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server; an exit signal also cuts running answers short, so shutdown is quick."""
+
+        def __init__(self, config, worker):
+            super().__init__(config)
+            self.worker = worker
+
+        def handle_exit(self, sig, frame):
+            self.worker.cancel_all()
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
+def _quietly(signum, frame):
+    """Handler uvicorn re-raises a captured exit signal to after its clean shutdown: the process then
+    ends normally (status 0) instead of being killed by the signal."""
+
+
+def serve(model, settings: ServerSettings | None = None, *, announce=None):
+    """Load ``model`` (anything `metalnn.llm.models.load_pretrained` takes) and serve it until SIGTERM
+    or Ctrl-C.
+
+    ``announce(url)`` is called once the socket listens (default: a line on stdout naming the URL,
+    with the real port when ``port`` is 0).
+    """
+    import uvicorn
+
+    from ..models import load_pretrained, load_tokenizer
+
+    settings = settings or ServerSettings()
+    loaded = load_pretrained(model)
+    try:
+        tokenizer = load_tokenizer(model)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{model}: the model has no tokenizer (tokenizer.json, or a .gguf file's "
+                                "vocabulary); the server needs one") from None
+    name = settings.model_name or model_name(model)
+    app = create_app(loaded, tokenizer, settings, name)
+    sock = _listen(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    if announce is None:
+        print(f"metalnn serve: {name} at {url}/ (chat page), OpenAI API at {url}/v1", flush=True)
+    else:
+        announce(url)
+    config = uvicorn.Config(app, log_level=settings.log_level, lifespan="on", timeout_graceful_shutdown=10)
+    server = _server_class()(config, app.state.worker)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, _quietly) for s in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        sock.close()
+    sys.stdout.flush()

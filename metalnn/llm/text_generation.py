@@ -1,0 +1,184 @@
+"""Streamed text from a language model: `TextStream`.
+
+`metalnn.stream_generate` yields token ids; applications want text. A `TextStream` turns the
+prompt's ids into text pieces as they are generated:
+
+* a piece comes out as soon as its tokens decode to whole characters (the ``tokenizers``
+  library's incremental ``DecodeStream``: a character split over several byte tokens comes out
+  once, whole);
+* with ``stop`` strings, text that could be the beginning of one is held back until it is known
+  not to be, and the text ends before the first stop string;
+* the stream ends at an end-of-sequence token (not part of the text), after ``max_tokens``
+  tokens, or when `TextStream.cancel` (thread-safe) or `TextStream.close` is called;
+* afterwards it tells how many tokens were read and generated, why it ended (``finish_reason``)
+  and how fast the prompt and the generation ran.
+
+>>> stream = TextStream(model, tokenizer, tokenizer.encode("Once upon a time"), max_tokens=50)
+>>> for piece in stream:
+...     print(piece, end="", flush=True)
+>>> stream.finish_reason, stream.completion_tokens, stream.generation_tps
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .generation import stream_generate
+
+#: ``finish_reason`` values: an end-of-sequence token or a stop string; ``max_tokens`` reached;
+#: `TextStream.cancel` / `TextStream.close` (or an exception) ended it early
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+
+
+def _stop_at(text: str, stops) -> int | None:
+    """Index where the earliest stop string in ``text`` begins (None if none occurs)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops) -> int:
+    """Length of the longest end of ``text`` that is the beginning of a stop string (such text
+    must wait for the next piece before it can be shown)."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
+class TextStream:
+    """Generate text after ``prompt`` piece by piece (an iterator of ``str``).
+
+    Args:
+        model: a `metalnn.llm.models.CausalLM`.
+        tokenizer: a `metalnn.llm.tokenizer.Tokenizer` (its ``tokenizers`` object decodes).
+        prompt: the prompt's token ids (``list[int]``, at least one).
+        max_tokens: the most tokens to generate (at least 1).
+        temperature, top_k, top_p, seed: sampling, as `metalnn.generate` (temperature 0: greedy).
+        stop: a string or strings that end the text (the stop string itself is not part of it).
+        eos_token_ids: ids that end generation (not part of the text). Default: the model's and
+            the tokenizer's EOS sets.
+        on_finish: called once with the stream when it ends, whatever the reason.
+
+    After (or during) iteration: ``text`` (everything yielded), ``tokens`` (generated ids,
+    including an end-of-sequence token), ``prompt_tokens``, ``completion_tokens``,
+    ``finish_reason`` (`STOP`, `LENGTH`, `CANCELLED`; None while running), ``prompt_seconds``
+    (time to the first new token), ``generation_seconds`` (from the first to the last new token),
+    ``prompt_tps`` and ``generation_tps`` (tokens per second).
+    """
+
+    def __init__(self, model, tokenizer, prompt, max_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop=None,
+                 eos_token_ids=None, on_finish=None):
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("TextStream: the prompt is empty (at least one token is needed)")
+        if int(max_tokens) < 1:
+            raise ValueError(f"TextStream: max_tokens must be at least 1, got {max_tokens}")
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        self.stop = tuple(s for s in stop if s)
+        if eos_token_ids is None:
+            eos_token_ids = set(getattr(model, "eos_token_ids", ()) or ()) | set(tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.model, self.tokenizer, self.prompt = model, tokenizer, prompt
+        self.max_tokens = int(max_tokens)
+        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        self.on_finish = on_finish
+        self.text = ""
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.prompt_seconds = 0.0
+        self.generation_seconds = 0.0
+        self._cancel = threading.Event()
+        self._pieces = self._run()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prompt_tps(self) -> float:
+        """Prompt tokens per second (prompt tokens / time to the first new token)."""
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        """New tokens per second after the first one (0 with fewer than two new tokens)."""
+        n = len(self.tokens) - 1
+        return n / self.generation_seconds if n > 0 and self.generation_seconds > 0 else 0.0
+
+    def cancel(self):
+        """Ask the stream to end before its next token (safe to call from any thread)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def close(self):
+        """End the stream now (from the thread that iterates it)."""
+        self._pieces.close()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def _run(self):
+        from tokenizers.decoders import DecodeStream
+
+        decoder = DecodeStream(skip_special_tokens=True)
+        pending = ""  # decoded text not shown yet: it may be the beginning of a stop string
+        start = time.perf_counter()
+        first = None
+        tokens = stream_generate(self.model, self.prompt, self.max_tokens, eos_token_id=tuple(self.eos_token_ids),
+                                 **self.sampling)
+        try:
+            for token in tokens:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                    self.prompt_seconds = now - start
+                self.generation_seconds = now - first
+                self.tokens.append(int(token))
+                if token in self.eos_token_ids:
+                    self.finish_reason = STOP
+                    break
+                piece = decoder.step(self.tokenizer.tokenizer, int(token))
+                pending += piece or ""
+                cut = _stop_at(pending, self.stop) if self.stop else None
+                if cut is not None:
+                    pending = pending[:cut]
+                    self.finish_reason = STOP
+                    break
+                keep = _held_back(pending, self.stop) if self.stop else 0
+                ready, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+                if ready:
+                    self.text += ready
+                    yield ready
+                if self._cancel.is_set():
+                    self.finish_reason = CANCELLED
+                    return
+            else:
+                self.finish_reason = LENGTH
+            if pending:  # no more text can complete a stop string
+                self.text += pending
+                yield pending
+        finally:
+            tokens.close()
+            if self.finish_reason is None:  # closed, cancelled or interrupted while running
+                self.finish_reason = CANCELLED
+            if self.on_finish is not None:
+                callback, self.on_finish = self.on_finish, None
+                callback(self)
