@@ -7,6 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import metalnn as mn
+from memory import peak_above_active
 
 
 def tiny_llama(seed=0):
@@ -21,11 +22,15 @@ def grads_and_peak(model, tokens):
         return mn.losses.cross_entropy(logits, tokens[:, 1:])
 
     mx.eval(model.parameters())
-    mx.synchronize()
-    mx.reset_peak_memory()
-    value, grads = nn.value_and_grad(model, loss)(model)
-    mx.eval(value, grads)
-    return value.item(), dict(tree_flatten(grads)), mx.get_peak_memory()
+    out = []
+
+    def run():
+        out.extend(nn.value_and_grad(model, loss)(model))
+        mx.eval(out)
+
+    peak = peak_above_active(run)
+    value, grads = out
+    return value.item(), dict(tree_flatten(grads)), peak
 
 
 def test_same_gradients_and_less_memory_on_a_long_sequence():
@@ -101,18 +106,14 @@ def _compiled_qlora_peak(layers):
 
     trainer = mn.Trainer(model, optim.Adam(1e-3), loss_fn, mn.Device(seed=0), progress=False, grad_checkpoint=True)
     trainer.step(tokens)  # builds, compiles
-    mx.synchronize()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    trainer.step(tokens)
-    mx.synchronize()
-    return mx.get_peak_memory() - base
+    return peak_above_active(lambda: trainer.step(tokens))
 
 
 def test_compiled_checkpointing_keeps_only_the_block_inputs_of_a_quantized_model():
     """Under mx.compile, a recomputed block must not share values with the forward pass (a merged
     dequantized weight would stay alive until the backward). Each extra block may add its input
-    (2 x 128 x 256 float32: 0.25 MiB) and small change, far below its dequantized weights
-    (4 x 256^2 + 3 x 256 x 1024 floats: 4 MiB) that a merge would keep."""
-    per_block = (_compiled_qlora_peak(6) - _compiled_qlora_peak(2)) / 4
-    assert per_block < 1.0 * 2**20, per_block / 2**20
+    (2 x 128 x 256 float32: 0.25 MiB) and the small values of its recomputation (0.5-0.8 MiB per
+    block measured, idle and beside two busy processes), far below its dequantized weights
+    (4 x 256^2 + 3 x 256 x 1024 floats: 4 MiB) that a merge would keep: the bound is half of those."""
+    per_block = (_compiled_qlora_peak(10) - _compiled_qlora_peak(2)) / 8
+    assert per_block < 2.0 * 2**20, per_block / 2**20
