@@ -18,6 +18,7 @@ from .layers import __all__ as _layer_names  # noqa: E402
 from .trainer import Trainer  # noqa: E402
 from .llm.generation import generate, sample_logits, stream_generate  # noqa: E402
 from .llm import models  # noqa: E402
+from .llm.tuner import datasets, lora  # noqa: E402
 from .quantization import QuantizationSummary, quantize  # noqa: E402
 from .weights import load_safetensors, open_provider, save_safetensors  # noqa: E402
 
@@ -28,5 +29,5 @@ __all__ = [
     "TrainingDivergedError", "UnsupportedConfigError", "WeightLoadError", "Trainer", "functional", "init", "losses",
     "optimizers",
     "load_safetensors", "open_provider", "save_safetensors", "generate", "stream_generate", "sample_logits",
-    "models", "quantize", "QuantizationSummary", *_layer_names,
+    "models", "lora", "datasets", "quantize", "QuantizationSummary", *_layer_names,
 ]
