@@ -1,0 +1,62 @@
+"""Every GGML type's decoder against gguf-py's NumPy dequantization (``gguf.quants.dequantize``), on
+random valid blocks: random quantized bytes, and finite random half-precision scales. Bit-exact: both
+follow ggml's reference formulas in float32, operation for operation, so any difference is a bug."""
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metalnn import ggml
+
+FLOAT_TYPES = {"F32", "F16", "BF16"}
+
+
+def random_blocks(qtype, n_blocks, rng):
+    """``uint8 [n_blocks, type_size]``: random bytes, with every float16 scale field replaced by a finite
+    value of either sign (ggml files hold finite scales; NaN or inf would make "equal" meaningless)."""
+    cls = ggml.get_type(qtype)
+    if qtype in FLOAT_TYPES:
+        dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.float32}[qtype]
+        vals = rng.normal(size=n_blocks).astype(dtype)
+        raw = vals.view(np.uint8).reshape(n_blocks, -1)
+        return raw[:, 2:] if qtype == "BF16" else raw
+    data = rng.integers(0, 256, size=(n_blocks, cls.type_size), dtype=np.uint8)
+    for offset in SCALE_FIELDS.get(qtype, ()):
+        d = (rng.normal(size=n_blocks) * 0.05).astype(np.float16)
+        data[:, offset:offset + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    return data
+
+
+#: byte offsets of the float16 fields of each type's block
+SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,)}
+
+
+@pytest.mark.parametrize("qtype", sorted(ggml.TYPES))
+def test_decode_is_bit_exact_with_gguf_py(qtype):
+    rng = np.random.default_rng(sum(map(ord, qtype)))
+    cls = ggml.get_type(qtype)
+    rows, blocks_per_row = 3, 5
+    data = random_blocks(qtype, rows * blocks_per_row, rng).reshape(rows, blocks_per_row * cls.type_size)
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
+    got = np.array(cls.decode(mx.array(data)))
+    assert got.shape == want.shape == (rows, blocks_per_row * cls.block_size)
+    np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+def test_every_type_is_registered_once_by_name_and_id():
+    for name, cls in ggml.TYPES.items():
+        assert ggml.get_type(name) is cls and ggml.get_type(cls.type_id) is cls
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+        assert (cls.block_size, cls.type_size) == (block_size, type_size), name
+    with pytest.raises(KeyError, match="unknown GGML type 'Q9_9'"):
+        ggml.get_type("Q9_9")
+
+
+def test_bad_rows_are_refused_with_the_type_named():
+    with pytest.raises(ValueError, match="Q8_0: a row of 33 values"):
+        ggml.get_type("Q8_0").row_bytes(33)
+    with pytest.raises(ValueError, match="Q4_0.decode: 19 bytes per row"):
+        ggml.get_type("Q4_0").decode(mx.zeros((2, 19), dtype=mx.uint8))
+    with pytest.raises(TypeError, match="must be uint8"):
+        ggml.get_type("Q4_0").decode(mx.zeros((2, 18), dtype=mx.int32))
