@@ -15,6 +15,7 @@ from .attention import attention, attention_reference, causal_mask
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from .gated_delta import gated_delta_rule
 from .gather import gather_matmul
+from .ggml import ggml_dequantize, ggml_matmul
 from .losses import cross_entropy_rows
 from .optim import adamw_update
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
@@ -23,6 +24,6 @@ from .rope import rope, rope_reference
 
 __all__ = ["activation", "check_activation", "gated_activation", "attention", "attention_reference", "causal_mask",
            "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-           "gated_delta_rule", "gather_matmul", "cross_entropy_rows", "adamw_update", "quantize_weight", "dequantize_weight",
+           "gated_delta_rule", "gather_matmul", "ggml_matmul", "ggml_dequantize", "cross_entropy_rows", "adamw_update", "quantize_weight", "dequantize_weight",
            "quantized_matmul", "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
            "rope", "rope_reference"]
