@@ -25,11 +25,17 @@ def random_blocks(qtype, n_blocks, rng):
     for offset in SCALE_FIELDS.get(qtype, ()):
         d = (rng.normal(size=n_blocks) * 0.05).astype(np.float16)
         data[:, offset:offset + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    for offset in E8M0_FIELDS.get(qtype, ()):
+        data[:, offset] = rng.integers(118, 131, size=n_blocks)  # shared scales 2^-10 .. 2^2
     return data
 
 
 #: byte offsets of the float16 fields of each type's block
-SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,)}
+SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+                "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,)}
+#: byte offsets of the E8M0 shared exponents (a power of two; random ones would overflow the values)
+E8M0_FIELDS = {"MXFP4": (0,)}
 
 
 @pytest.mark.parametrize("qtype", sorted(ggml.TYPES))
@@ -60,3 +66,15 @@ def test_bad_rows_are_refused_with_the_type_named():
         ggml.get_type("Q4_0").decode(mx.zeros((2, 19), dtype=mx.uint8))
     with pytest.raises(TypeError, match="must be uint8"):
         ggml.get_type("Q4_0").decode(mx.zeros((2, 18), dtype=mx.int32))
+
+
+def test_mxfp4_decodes_every_shared_exponent_as_ggml_does():
+    """All 256 E8M0 bytes: ggml halves the scale, so 0 and 1 are the subnormals 2^-128 and 2^-127 and 255
+    is 2^127 (not NaN); values past float32's range are inf in both."""
+    data = np.random.default_rng(39).integers(0, 256, size=(256, 17), dtype=np.uint8)
+    data[:, 0] = np.arange(256)
+    with np.errstate(over="ignore"):
+        want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.MXFP4).astype(np.float32)
+    got = np.array(ggml.get_type("MXFP4").decode(mx.array(data)))
+    assert (want[:2] != 0).any() and np.isinf(want[-1]).any()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
