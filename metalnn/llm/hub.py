@@ -8,6 +8,7 @@ the cache.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 
@@ -25,19 +26,64 @@ def is_repo_id(name) -> bool:
     return isinstance(name, str) and bool(_REPO_ID.match(name)) and ".." not in name
 
 
+#: files a model argument may name directly (anything else must be a folder)
+CHECKPOINT_SUFFIXES = (".gguf", ".json")
+
+
+def _describe_file(path: Path) -> str:
+    kinds = {".safetensors": "a safetensors weights file", ".npz": "a NumPy weights archive",
+             ".bin": "a PyTorch weights file", ".pt": "a PyTorch weights file", ".pth": "a PyTorch weights file"}
+    return kinds.get(path.suffix.lower(), "a file")
+
+
+def _check_local(path: Path) -> Path:
+    """``path`` itself when it can hold a checkpoint: a folder, a ``.gguf`` file or a ``config.json``."""
+    if path.is_dir() or path.suffix.lower() in CHECKPOINT_SUFFIXES:
+        return path
+    hint = ""
+    if (path.parent / "config.json").is_file():
+        hint = f"; its folder {path.parent} holds a config.json: pass the folder"
+    raise FileNotFoundError(f"{path}: {_describe_file(path)}, not a model (expected a model folder with config.json "
+                            f"and its weights, a .gguf file, or a Hub name org/name){hint}")
+
+
+def _local_miss(path: Path) -> str | None:
+    """Why ``path`` (which does not exist) is a mistyped local path rather than a Hub name, or None.
+
+    A name is local when it is absolute, starts with ``.`` or ``~``, has more than one folder, or when
+    its first folder exists here (``runs/char_lmm`` with a ``runs`` folder present)."""
+    text = str(path)
+    if path.is_absolute() or text.startswith((".", "~")) or len(path.parts) > 2 or not is_repo_id(text):
+        parent = path.expanduser().parent
+    elif Path(path.parts[0]).is_dir():
+        parent = Path(path.parts[0])
+    else:
+        return None
+    if not parent.is_dir():
+        return f"no such file or folder (and no folder {parent})"
+    near = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=3)
+    return "no such file or folder" + (f" (in {parent}: {', '.join(near)})" if near else f" in {parent}")
+
+
 def local_path(path_or_name, allow_patterns=MODEL_FILES) -> Path:
     """A local path for ``path_or_name``: itself if it exists, else a Hub snapshot folder.
 
+    Only a name shaped like ``org/name`` that is not a local path goes to the Hub: ``runs/char_lmm``,
+    when a ``runs`` folder exists here, is a mistyped local path and fails as one.
+
     Raises:
-        FileNotFoundError: neither a local path nor a Hub model the cache (or the Hub) provides.
+        FileNotFoundError: a local file that is not a checkpoint (a ``.safetensors`` file where a
+            folder is expected), a missing local path (with the closest names in its folder), or a
+            name the Hub (or its cache) cannot provide.
     """
     path = Path(path_or_name)
     if path.exists():
-        return path
+        return _check_local(path)
     name = str(path_or_name)
-    if not is_repo_id(name):
-        raise FileNotFoundError(f"{name}: no such file or folder (expected a model folder with config.json, a .gguf "
-                                f"file, or a Hub name org/name)")
+    miss = _local_miss(path)
+    if miss is not None:
+        raise FileNotFoundError(f"{name}: {miss}; expected a model folder with config.json, a .gguf file, or a "
+                                f"Hub name org/name")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a dependency
