@@ -5,7 +5,7 @@ with MLX ops, bit-exact with ggml's reference dequantization. `get_type` finds a
 type id; `TYPES` lists them. How a packed weight is multiplied is chosen in `metalnn.functional`.
 """
 
-from . import floats, kquants, legacy, nonlinear, ternary  # noqa: F401  (registers the types)
+from . import floats, iquants, kquants, legacy, nonlinear, ternary  # noqa: F401  (registers the types)
 from .base import BY_ID, TYPES, GGMLType, get_type
 
 __all__ = ["GGMLType", "TYPES", "BY_ID", "get_type"]

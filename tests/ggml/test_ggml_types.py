@@ -27,6 +27,8 @@ def random_blocks(qtype, n_blocks, rng):
         data[:, offset:offset + 2] = d.view(np.uint8).reshape(n_blocks, 2)
     for offset in E8M0_FIELDS.get(qtype, ()):
         data[:, offset] = rng.integers(118, 131, size=n_blocks)  # shared scales 2^-10 .. 2^2
+    if qtype in SPLIT_SCALES:
+        SPLIT_SCALES[qtype](data, rng)
     return data
 
 
@@ -34,8 +36,25 @@ def random_blocks(qtype, n_blocks, rng):
 SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
                 "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
                 "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,)}
+SCALE_FIELDS.update({"IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+                     "IQ1_S": (0,)})
 #: byte offsets of the E8M0 shared exponents (a power of two; random ones would overflow the values)
 E8M0_FIELDS = {"MXFP4": (0,)}
+
+
+def _iq1m_finite_scale(data, rng):
+    """IQ1_M has no float16 field: its ``d`` is the top nibbles of the four u16 ``scales`` at byte 48
+    (nibble ``m`` of ``d`` in bits 12-15 of ``scales[m]``). Put a finite random ``d`` there, keeping the
+    3-bit sub-scales below it random."""
+    scales = data[:, 48:56].copy().view(np.uint16)
+    d = (rng.normal(size=len(data)) * 0.05).astype(np.float16).view(np.uint16)
+    for m in range(4):
+        scales[:, m] = (scales[:, m] & 0x0FFF) | (((d >> (4 * m)) & 0xF) << 12)
+    data[:, 48:56] = scales.view(np.uint8)
+
+
+#: types whose float16 scale is split across other fields: a function that writes a finite one in place
+SPLIT_SCALES = {"IQ1_M": _iq1m_finite_scale}
 
 
 @pytest.mark.parametrize("qtype", sorted(ggml.TYPES))
