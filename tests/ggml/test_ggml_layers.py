@@ -11,7 +11,7 @@ import pytest
 import metalnn as mn
 from metalnn import ggml
 from metalnn.layers.ggml import GGMLEmbedding, GGMLLinear
-from test_ggml_types import random_blocks
+from ggml_blocks import random_blocks
 
 BLOCK_TYPES = sorted(name for name, cls in ggml.TYPES.items() if cls.block_size > 1)
 
