@@ -1,0 +1,125 @@
+"""A GGUF file's tensors as MLX arrays, kept packed: no float copy of a quantized weight.
+
+Each tensor is read from the file with bounds already checked by `read_header` (no native reader is
+involved, so a malformed file can only raise `WeightLoadError`):
+
+* F32, F16 and BF16 tensors become float arrays of their own dtype (half precision stays half);
+* Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights are exactly MLX's affine layout with groups of 32 (value
+  ``= scale * q + bias``, with ``bias = -8 * d`` for Q4_0, ``-16 * d`` for Q5_0, ``-128 * d`` for Q8_0
+  and the stored minimum for the ``_1`` types): they are repacked once into ``<stem>.weight`` (uint32
+  bit streams), ``<stem>.scales`` and ``<stem>.biases`` (float16, exact: the file's own half values
+  and their products by powers of two), and run on `metalnn.layers.QuantizedLinear`;
+* every other type (K-quants, i-quants, ternary, MXFP4) stays as the file's blocks,
+  ``<stem>.weight`` ``uint8 [rows, row_bytes]``, for `metalnn.layers.GGMLLinear`; the returned
+  ``packed`` dict names their types.
+
+Tensor shapes are row-major (``[rows, cols]``); a quantized tensor of more than two dims (stacked
+experts) keeps its leading dims.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import mlx.core as mx
+import numpy as np
+
+from ... import ggml
+from ...errors import WeightLoadError
+from .reader import GGUFHeader
+
+#: types that are MLX's affine layout: name -> (bits, offset subtracted from the stored values or None
+#: for the types with a stored minimum)
+AFFINE = {"Q4_0": (4, 8), "Q4_1": (4, None), "Q5_0": (5, 16), "Q5_1": (5, None), "Q8_0": (8, 128)}
+FLOATS = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+
+
+def _pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """``uint [..., k]`` values of ``bits`` bits -> ``uint32 [..., k * bits / 32]``: a little-endian bit
+    stream (value ``i`` at bits ``bits*i ... bits*i + bits - 1``), MLX's affine packing."""
+    q = q.astype(np.uint64).reshape(*q.shape[:-1], -1, 8)     # 8 values fill `bits` whole bytes
+    word = np.zeros(q.shape[:-1], dtype=np.uint64)
+    for i in range(8):
+        word |= q[..., i] << np.uint64(bits * i)
+    out = word[..., None].view(np.uint8)[..., :bits]            # little-endian: the low `bits` bytes
+    return np.ascontiguousarray(out).reshape(*q.shape[:-2], -1).view(np.uint32)
+
+
+def _affine(blocks: np.ndarray, qtype: str):
+    """``uint8 [..., n_blocks, type_size]`` blocks -> (packed uint32, scales f16, biases f16)."""
+    bits, offset = AFFINE[qtype]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if qtype == "Q8_0":
+        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
+    else:
+        start = 2 if offset is not None else 4
+        qh_at = start
+        if bits == 5:
+            start += 4
+        lo = blocks[..., start:start + 16]
+        q = np.concatenate([lo & 0xF, lo >> 4], axis=-1).astype(np.uint16)
+        if bits == 5:
+            qh = blocks[..., qh_at:qh_at + 4].copy().view(np.uint32)
+            q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint16)
+    if offset is not None:
+        with np.errstate(over="ignore"):
+            bias = (-float(offset) * d.astype(np.float32)).astype(np.float16)
+        if not np.all(np.isfinite(bias[np.isfinite(d)])):
+            raise OverflowError("a block's bias does not fit float16")
+    else:
+        bias = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    packed = _pack_bits(q, bits)
+    return packed.reshape(*packed.shape[:-2], -1), d, bias
+
+
+def read_tensors(header: GGUFHeader):
+    """``(arrays, packed)``: ``{name: mx.array}`` as described in the module docstring, and
+    ``{weight name: GGML type name}`` for the weights kept as GGML blocks.
+
+    Raises `WeightLoadError` naming the file and the tensor for a type metalnn cannot run (I8 ...
+    F64, Q8_1, Q8_K: types llama.cpp never writes into model files) or a tensor whose rows are not
+    whole blocks.
+    """
+    path = header.path
+    arrays, packed, bad = {}, {}, []
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for info in header.tensors.values():
+            raw = np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+            try:
+                _read_one(info, raw, arrays, packed)
+            except (KeyError, ValueError, OverflowError) as e:
+                bad.append(f"{info.name} ({info.type} {list(info.shape)}: {e})")
+            del raw
+    if bad:
+        raise WeightLoadError(source=str(path), message=(
+            f"{path}: {len(bad)} tensor(s) cannot be read: {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"))
+    return arrays, packed
+
+
+def _read_one(info, raw, arrays, packed):
+    name, shape = info.name, tuple(info.shape)
+    if info.type in FLOATS:
+        np_dtype = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[info.type]
+        a = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+        arr = mx.array(a.copy())
+        arrays[name] = arr.view(mx.bfloat16) if info.type == "BF16" else arr
+        return
+    qtype = ggml.get_type(info.type)
+    if not shape or shape[-1] % qtype.block_size:
+        raise ValueError(f"rows of {shape[-1] if shape else 0} values are not whole {qtype.block_size}-value blocks")
+    stem = name[:-len(".weight")] if name.endswith(".weight") else name
+    row_bytes = qtype.row_bytes(shape[-1])
+    blocks = raw.reshape(*shape[:-1], row_bytes // qtype.type_size, qtype.type_size)
+    if info.type in AFFINE:
+        w, scales, biases = _affine(blocks, info.type)
+        arrays[f"{stem}.weight"] = mx.array(w)
+        arrays[f"{stem}.scales"] = mx.array(scales)
+        arrays[f"{stem}.biases"] = mx.array(biases)
+        return
+    arrays[f"{stem}.weight"] = mx.array(raw.reshape(*shape[:-1], row_bytes).copy())
+    packed[f"{stem}.weight"] = info.type
+
+
+def affine_bits(qtype: str) -> int | None:
+    """MLX affine bits of a GGML type that maps onto that layout (group size 32), else None."""
+    return AFFINE[qtype][0] if qtype in AFFINE else None
