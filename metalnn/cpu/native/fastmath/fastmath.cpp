@@ -23,6 +23,7 @@
 
 #include "im2col.h"
 #include "kernels.h"
+#include "primitive.h"
 #include "qmatmul.h"
 #include "train_ops.h"
 
@@ -310,19 +311,8 @@ class FastUnary : public mx::UnaryPrimitive {
     return {{fast_unary(kind_, inputs[0], stream())}, axes};
   }
 
-  const char* name() const override {
-    return kind_name(kind_);
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const FastUnary*>(&other);
-    return o && o->kind_ == kind_;
-  }
-
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE(kind_name(kind_), kind_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   Kind kind_;
@@ -425,19 +415,8 @@ class FastUnaryGrad : public mx::UnaryPrimitive {
     return {{fast_unary_grad(kind_, a, g, stream())}, {out_ax}};
   }
 
-  const char* name() const override {
-    return kind_grad_name(kind_);
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const FastUnaryGrad*>(&other);
-    return o && o->kind_ == kind_;
-  }
-
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE(kind_grad_name(kind_), kind_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   Kind kind_;
@@ -514,18 +493,8 @@ class FastSoftmax : public mx::UnaryPrimitive {
     return {{fast_softmax(x, stream())}, {ax}};
   }
 
-  const char* name() const override {
-    return "FastSoftmax";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return dynamic_cast<const FastSoftmax*>(&other) != nullptr;
-  }
-
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("FastSoftmax")
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 };
 
 // out = y * (g - sum(g * y, -1, keepdims=True))
@@ -626,18 +595,8 @@ class FastSoftmaxGrad : public mx::UnaryPrimitive {
     return {{fast_softmax_grad(y, g, stream())}, {out_ax}};
   }
 
-  const char* name() const override {
-    return "FastSoftmaxGrad";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return dynamic_cast<const FastSoftmaxGrad*>(&other) != nullptr;
-  }
-
-  std::vector<mx::Shape> output_shapes(
-      const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("FastSoftmaxGrad")
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 };
 
 // ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "primitive.h"
 #include "threadpool.h"
 
 namespace mx = mlx::core;
@@ -225,14 +226,7 @@ class Im2Col : public mx::UnaryPrimitive {
     return {{mx::reshape(y, yshape, stream())}, {0}};
   }
 
-  const char* name() const override {
-    return "Im2Col";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const Im2Col*>(&other);
-    return o && o->w_ == w_;
-  }
+  METALNN_PRIMITIVE("Im2Col", w_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const auto& x = inputs[0];
@@ -302,14 +296,7 @@ class Col2Im : public mx::UnaryPrimitive {
     return {{mx::reshape(y, yshape, stream())}, {0}};
   }
 
-  const char* name() const override {
-    return "Col2Im";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const Col2Im*>(&other);
-    return o && o->w_ == w_ && o->size_ == size_;
-  }
+  METALNN_PRIMITIVE("Col2Im", size_, w_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const auto& c = inputs[0];

@@ -33,6 +33,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "primitive.h"
 #include "qmatmul_kernels.h"
 #include "threadpool.h"
 
@@ -369,14 +370,7 @@ class AffineQuantizedMatmul : public mx::UnaryPrimitive {
     return {{qmatmul_op(x, inputs[1], inputs[2], inputs[3], transpose_, group_, bits_, stream())}, {0}};
   }
 
-  const char* name() const override {
-    return "AffineQuantizedMatmul";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const AffineQuantizedMatmul*>(&other);
-    return o && o->group_ == group_ && o->bits_ == bits_ && o->transpose_ == transpose_;
-  }
+  METALNN_PRIMITIVE("AffineQuantizedMatmul", group_, bits_, transpose_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     auto shape = inputs[0].shape();
@@ -423,14 +417,7 @@ class AffineDequantize : public mx::UnaryPrimitive {
     return mx::jvp(fn, wrt, tangents).second;
   }
 
-  const char* name() const override {
-    return "AffineDequantize";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const AffineDequantize*>(&other);
-    return o && o->group_ == group_ && o->bits_ == bits_;
-  }
+  METALNN_PRIMITIVE("AffineDequantize", group_, bits_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};

@@ -29,6 +29,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "primitive.h"
 #include "threadpool.h"
 #include "train_kernels.h"
 
@@ -254,16 +255,8 @@ class RmsNorm : public NativeOp {
     return res;
   }
 
-  const char* name() const override {
-    return "MetalnnRMSNorm";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const RmsNorm*>(&other);
-    return o && o->eps_ == eps_ && o->has_w_ == has_w_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnRMSNorm", eps_, has_w_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   float eps_;
@@ -332,13 +325,7 @@ class RmsNormVJP : public NativeOp {
     });
   }
 
-  const char* name() const override {
-    return "MetalnnRMSNormVJP";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const RmsNormVJP*>(&other);
-    return o && o->eps_ == eps_ && o->has_w_ == has_w_;
-  }
+  METALNN_PRIMITIVE("MetalnnRMSNormVJP", eps_, has_w_)
   std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
     if (has_w_) return {inputs[0].shape(), inputs[1].shape()};
     return {inputs[0].shape()};
@@ -560,16 +547,8 @@ class Rope : public NativeOp {
     return {mx::zeros(primals[0].shape(), mx::float32, stream())};
   }
 
-  const char* name() const override {
-    return "MetalnnRoPE";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const Rope*>(&other);
-    return o && o->sp_ == sp_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnRoPE", sp_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   RopeSpec sp_;
@@ -753,16 +732,8 @@ class Gated : public NativeOp {
     return res;
   }
 
-  const char* name() const override {
-    return "MetalnnGated";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const Gated*>(&other);
-    return o && o->k_ == k_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnGated", k_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   Kind k_;
@@ -803,16 +774,8 @@ class GatedVJP : public NativeOp {
     });
   }
 
-  const char* name() const override {
-    return "MetalnnGatedVJP";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const GatedVJP*>(&other);
-    return o && o->k_ == k_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape(), inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnGatedVJP", k_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 2)
 
  private:
   Kind k_;
@@ -921,16 +884,8 @@ class CrossEntropy : public NativeOp {
     return res;
   }
 
-  const char* name() const override {
-    return "MetalnnCrossEntropy";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const CrossEntropy*>(&other);
-    return o && o->ls_ == ls_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[1].shape(), inputs[1].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnCrossEntropy", ls_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(1, 2)
 
  private:
   float ls_;
@@ -980,16 +935,8 @@ class CrossEntropyVJP : public NativeOp {
     });
   }
 
-  const char* name() const override {
-    return "MetalnnCrossEntropyVJP";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const CrossEntropyVJP*>(&other);
-    return o && o->ls_ == ls_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnCrossEntropyVJP", ls_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   float ls_;
@@ -1104,16 +1051,8 @@ class ScaledSoftmax : public NativeOp {
     return {scaled_softmax_vjp_op(outputs[0], cotangents[0], sp_, stream())};
   }
 
-  const char* name() const override {
-    return "MetalnnScaledSoftmax";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const ScaledSoftmax*>(&other);
-    return o && o->sp_ == sp_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnScaledSoftmax", sp_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   SoftmaxSpec sp_;
@@ -1169,16 +1108,8 @@ class ScaledSoftmaxVJP : public NativeOp {
     });
   }
 
-  const char* name() const override {
-    return "MetalnnScaledSoftmaxVJP";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const ScaledSoftmaxVJP*>(&other);
-    return o && o->sp_ == sp_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnScaledSoftmaxVJP", sp_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   SoftmaxSpec sp_;
@@ -1258,15 +1189,8 @@ class LayoutCopy : public NativeOp {
     return {mx::zeros_like(primals[0], stream())};
   }
 
-  const char* name() const override {
-    return "MetalnnLayoutCopy";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return dynamic_cast<const LayoutCopy*>(&other) != nullptr;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnLayoutCopy")
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 };
 
 mx::array layout_copy_op(const mx::array& x, mx::Stream s, const std::optional<mx::array>& like) {
@@ -1396,16 +1320,8 @@ class AdamWUpdate : public NativeOp {
     });
   }
 
-  const char* name() const override {
-    return "MetalnnAdamW";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const AdamWUpdate*>(&other);
-    return o && o->sp_ == sp_;
-  }
-  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
-    return {inputs[0].shape(), inputs[0].shape(), inputs[0].shape()};
-  }
+  METALNN_PRIMITIVE("MetalnnAdamW", sp_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 3)
 
  private:
   AdamSpec sp_;

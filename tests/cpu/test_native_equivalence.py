@@ -1,0 +1,187 @@
+"""Each native primitive's ``name()`` and ``is_equivalent()``, seen through ``mx.compile``.
+
+``mx.compile`` merges two nodes of one primitive type that read the same inputs when
+``is_equivalent`` says so, without looking at their shapes. So for every primitive of
+``metalnn.cpu._fastmath``:
+
+- two applications with the same parameters must become one node (is_equivalent is not
+  always false), and
+- two applications that differ in any single parameter must stay two nodes: an
+  ``is_equivalent`` that forgot a field would merge them and silently compute the wrong op.
+
+The nodes are counted by name on the compiled graph (``mx.export_to_dot`` labels each node with
+its primitive's ``name()``). Parameters that cannot differ between two nodes reading the same
+inputs are not varied: a weight's presence (RMSNorm) or given periods (RoPE) add an input; a
+packed weight fixes ``bits`` and ``group_size`` together; and the backward primitives that
+read their forward's outputs (the logsumexp of CrossEntropyVJP, the softmax of
+ScaledSoftmaxVJP) get different inputs whenever their forwards differ.
+"""
+
+import io
+import platform
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from metalnn.cpu import native_ext
+
+NATIVE_PLATFORM = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+pytestmark = pytest.mark.skipif(not NATIVE_PLATFORM, reason="the native extension is built on Linux x86_64 only")
+
+SOURCES = Path(__file__).resolve().parents[2] / "metalnn" / "cpu" / "native" / "fastmath"
+UNARY = "Exp|Sigmoid|Silu|Tanh|GeluTanh"
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+
+    def a(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    w, s, b = mx.quantize(a(64, 64), group_size=64, bits=4)
+    arrays = {
+        "x": a(2, 3, 8, 16), "g": a(2, 3, 8, 16), "w16": a(16), "image": a(2, 3, 9), "cols": a(2, 12, 3),
+        "xq": a(3, 64), "wq": w, "sq": s, "bq": b,
+        "logits": a(6, 10), "targets": mx.array([0, 3, 9, 1, 2, 5]), "g6": a(6), "scores": a(2, 8, 8),
+        "p": a(4, 8), "gp": a(4, 8), "m": a(4, 8), "v": mx.abs(a(4, 8)), "lr": mx.array(1e-3), "step": mx.array(3.0),
+    }
+    mx.eval(arrays)
+    return arrays
+
+
+def _vjp(fn, n_wrt):
+    """The VJP of fn with respect to its first n_wrt arguments (the last argument is the cotangent)."""
+    def grads(*args):
+        *primals, cot = args
+        rest = primals[n_wrt:]
+        return mx.vjp(lambda *p: fn(*p, *rest), primals[:n_wrt], [cot])[1]
+    return grads
+
+
+def _cases(ext):
+    """name: (label pattern, op(**params) -> fn(*inputs), input names, base params, {field: params})."""
+    win = dict(kernel=[3], stride=[3], padding=[1], dilation=[1])  # L = 3 output positions on 9 (or 8) inputs
+    win_variants = {"kernel": {"kernel": [4]}, "stride": {"stride": [4]}, "padding": {"padding": [0]},
+                    "dilation": {"dilation": [2]}}
+    qmm = dict(group_size=64, bits=4)
+    # the same packed weight and scales read as 8-bit values in groups of 32 (x @ W: x fits either)
+    qmm_bits = {"bits": {"group_size": 32, "bits": 8}}
+    rope = dict(dims=16, traditional=False, base=10000.0, scale=1.0, offset=0)
+    softmax = dict(scale=0.5, causal=True, q_len=8, offset=0)
+    adam = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, bias_correction=True)
+    return {
+        "FastUnary": (f"Fast({UNARY})", lambda kind: getattr(ext, kind), ["x"], {"kind": "silu"},
+                      {"kind": {"kind": "tanh"}}),
+        # silu and gelu_tanh: both gradients read the input x (the others read the output)
+        "FastUnaryGrad": (f"Fast({UNARY})Grad", lambda kind: _vjp(getattr(ext, kind), 1), ["x", "g"],
+                          {"kind": "silu"}, {"kind": {"kind": "gelu_tanh"}}),
+        "FastSoftmax": ("FastSoftmax", lambda: ext.softmax, ["x"], {}, {}),
+        "FastSoftmaxGrad": ("FastSoftmaxGrad", lambda: ext.softmax_grad, ["x", "g"], {}, {}),
+        "Im2Col": ("Im2Col", lambda **w: lambda t: ext.im2col(t, **w), ["image"], win, win_variants),
+        "Col2Im": ("Col2Im", lambda **w: lambda c: ext.col2im(c, **w), ["cols"], dict(output_size=[9], **win),
+                   {"output_size": {"output_size": [8]}, **win_variants}),
+        "AffineQuantizedMatmul": ("AffineQuantizedMatmul", lambda **p: lambda *a: ext.quantized_matmul(*a, **p),
+                                  ["xq", "wq", "sq", "bq"], dict(transpose=False, **qmm),
+                                  {"transpose": {"transpose": True}, **qmm_bits}),
+        "AffineDequantize": ("AffineDequantize", lambda **p: lambda *a: ext.dequantize(*a, **p), ["wq", "sq", "bq"],
+                             qmm, qmm_bits),
+        "RmsNorm": ("MetalnnRMSNorm", lambda eps: lambda t, w: ext.rms_norm(t, w, eps), ["x", "w16"],
+                    {"eps": 1e-5}, {"eps": {"eps": 1e-3}}),
+        "RmsNormVJP": ("MetalnnRMSNormVJP", lambda eps: _vjp(lambda t, w: ext.rms_norm(t, w, eps), 2),
+                       ["x", "w16", "g"], {"eps": 1e-5}, {"eps": {"eps": 1e-3}}),
+        "Rope": ("MetalnnRoPE", lambda **p: lambda t: ext.rope(t, **p), ["x"], rope,
+                 {"dims": {"dims": 8}, "traditional": {"traditional": True}, "inv_freq": {"base": 500.0},
+                  "scale": {"scale": 0.5}, "offset": {"offset": 3}}),
+        "Gated": ("MetalnnGated", lambda act: lambda a, b: ext.gated(a, b, act), ["x", "g"], {"act": "silu"},
+                  {"kind": {"act": "gelu_tanh"}}),
+        "GatedVJP": ("MetalnnGatedVJP", lambda act: _vjp(lambda a, b: ext.gated(a, b, act), 2), ["x", "g", "g"],
+                     {"act": "silu"}, {"kind": {"act": "gelu_tanh"}}),
+        "CrossEntropy": ("MetalnnCrossEntropy", lambda ls: lambda x, t: ext.cross_entropy(x, t, ls),
+                         ["logits", "targets"], {"ls": 0.0}, {"label_smoothing": {"ls": 0.1}}),
+        "CrossEntropyVJP": ("MetalnnCrossEntropyVJP", lambda ls: _vjp(lambda x, t: ext.cross_entropy(x, t, ls), 1),
+                            ["logits", "targets", "g6"], {"ls": 0.1}, {}),
+        "ScaledSoftmax": ("MetalnnScaledSoftmax", lambda **p: lambda t: ext.scaled_softmax(t, **p), ["scores"],
+                          softmax, {"scale": {"scale": 0.25}, "causal": {"causal": False}, "q_len": {"q_len": 4},
+                                    "offset": {"offset": 1}}),
+        "ScaledSoftmaxVJP": ("MetalnnScaledSoftmaxVJP", lambda **p: _vjp(lambda t: ext.scaled_softmax(t, **p), 1),
+                             ["scores", "scores"], softmax, {}),
+        "LayoutCopy": ("MetalnnLayoutCopy", lambda: ext.contiguous, ["x"], {}, {}),
+        "AdamWUpdate": ("MetalnnAdamW", lambda **h: lambda *a: ext.adamw_update(*a, **h),
+                        ["p", "gp", "m", "v", "lr", "step"], adam,
+                        {"b1": {"b1": 0.8}, "b2": {"b2": 0.99}, "eps": {"eps": 1e-6},
+                         "weight_decay": {"weight_decay": 0.0}, "bias_correction": {"bias_correction": False}}),
+    }
+
+
+CASE_NAMES = ["FastUnary", "FastUnaryGrad", "FastSoftmax", "FastSoftmaxGrad", "Im2Col", "Col2Im",
+              "AffineQuantizedMatmul", "AffineDequantize", "RmsNorm", "RmsNormVJP", "Rope", "Gated", "GatedVJP",
+              "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP", "LayoutCopy", "AdamWUpdate"]
+VARIED = [(name, field) for name, fields in [
+    ("FastUnary", ["kind"]), ("FastUnaryGrad", ["kind"]),
+    ("Im2Col", ["kernel", "stride", "padding", "dilation"]),
+    ("Col2Im", ["output_size", "kernel", "stride", "padding", "dilation"]),
+    ("AffineQuantizedMatmul", ["transpose", "bits"]), ("AffineDequantize", ["bits"]),
+    ("RmsNorm", ["eps"]), ("RmsNormVJP", ["eps"]),
+    ("Rope", ["dims", "traditional", "inv_freq", "scale", "offset"]),
+    ("Gated", ["kind"]), ("GatedVJP", ["kind"]), ("CrossEntropy", ["label_smoothing"]),
+    ("ScaledSoftmax", ["scale", "causal", "q_len", "offset"]),
+    ("AdamWUpdate", ["b1", "b2", "eps", "weight_decay", "bias_correction"]),
+] for field in fields]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = native_ext.extension()
+    assert mod is not None, native_ext.unavailable_reason()
+    return mod
+
+
+@pytest.fixture(scope="module")
+def arrays():
+    return _arrays()
+
+
+def _flat(out):
+    return [a for o in (out if isinstance(out, (list, tuple)) else [out])
+            for a in (o if isinstance(o, (list, tuple)) else [o])]
+
+
+def _nodes(ext, arrays, name, params_a, params_b):
+    """Nodes named like the primitive `name` in the compiled graph of op(params_a) and op(params_b)."""
+    pattern, op, inputs, _, _ = _cases(ext)[name]
+    fa, fb = op(**params_a), op(**params_b)
+
+    def both(*args):
+        return sum(mx.sum(a) for a in _flat(fa(*args)) + _flat(fb(*args)))
+
+    out = mx.compile(both)(*[arrays[i] for i in inputs])
+    buf = io.StringIO()
+    mx.export_to_dot(buf, out)
+    labels = re.findall(r'label ="([^"]*)"', buf.getvalue())
+    return [label for label in labels if re.fullmatch(pattern, label)]
+
+
+def test_every_primitive_is_covered(ext):
+    """Each primitive declares its name and is_equivalent through METALNN_PRIMITIVE, and has a case here."""
+    sources = "".join(p.read_text() for p in sorted(SOURCES.glob("*.cpp")))
+    assert "is_equivalent" not in sources
+    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 19
+    assert list(_cases(ext)) == CASE_NAMES
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_same_parameters_make_one_node(ext, arrays, name):
+    base = _cases(ext)[name][3]
+    found = _nodes(ext, arrays, name, base, base)
+    assert len(found) == 1, f"{name}: two applications with the same parameters were not merged: {found}"
+
+
+@pytest.mark.parametrize(("name", "field"), VARIED, ids=[f"{n}-{f}" for n, f in VARIED])
+def test_each_parameter_keeps_two_nodes(ext, arrays, name, field):
+    _, _, _, base, variants = _cases(ext)[name]
+    found = _nodes(ext, arrays, name, base, {**base, **variants[field]})
+    assert len(found) == 2, f"{name}: applications differing in {field} were merged: {found}"
