@@ -9,7 +9,11 @@ MLX-quantized checkpoints describe their layers in ``config.json``::
 
     "quantization": {"group_size": 64, "bits": 4, "mode": "affine",
                      "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8},   # per-layer override
+                     "model.layers.0.mlp.up_proj": {"ggml_type": "Q4_K"},             # GGML blocks (GGUF)
                      "lm_head": false}                                                # kept in float
+
+A ``ggml_type`` entry keeps the layer's weight in that GGML tensor type's blocks (`metalnn.layers.GGMLLinear`
+/ `GGMLEmbedding`), as GGUF files store them.
 
 `config_of` writes that dict for a model, `read_config` validates it and `prepare` builds the
 quantized layers a checkpoint needs before its tensors are loaded (a layer without an entry is
@@ -26,11 +30,14 @@ from mlx.utils import tree_flatten
 
 from .errors import UnsupportedConfigError
 from .layers.base import Layer, path_order, set_module
+from . import ggml
 from .layers.embedding import Embedding
+from .layers.ggml import GGMLEmbedding, GGMLLinear
 from .layers.linear import Linear
 from .layers.quantized import QuantizedEmbedding, QuantizedLinear, quant_settings
 
-QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
+#: layers whose weights are stored quantized (frozen; adapters train on top of them)
+QUANTIZED = (QuantizedLinear, QuantizedEmbedding, GGMLLinear, GGMLEmbedding)
 
 
 @dataclass
@@ -147,9 +154,14 @@ def config_of(model) -> dict | None:
     The most common settings are the defaults; layers with other settings get a per-layer entry
     and float `Linear` / `Embedding` layers an entry ``False``.
     """
-    cfg = config_from_settings({path: (m.group_size, m.bits, m.mode) for path, m in quantized_layers(model)})
-    if cfg is None:
+    layers = quantized_layers(model)
+    cfg = config_from_settings({path: (m.group_size, m.bits, m.mode) for path, m in layers
+                                if not isinstance(m, (GGMLLinear, GGMLEmbedding))})
+    packed = {path: {"ggml_type": m.ggml_type} for path, m in layers if isinstance(m, (GGMLLinear, GGMLEmbedding))}
+    if cfg is None and not packed:
         return None
+    cfg = cfg or {"group_size": 32, "bits": 4, "mode": "affine"}   # defaults no layer uses
+    cfg.update(packed)
     for path, _ in eligible_layers(model):
         cfg[path] = False
     return cfg
@@ -192,6 +204,12 @@ def read_config(config: dict, source: str) -> dict | None:
     problems = []
 
     def check(where, entry):
+        if "ggml_type" in entry:
+            try:
+                ggml.get_type(entry["ggml_type"])
+            except KeyError as e:
+                problems.append(f"{where}: {e.args[0]}")
+            return
         try:
             quant_settings(entry.get("group_size", q["group_size"]), entry.get("bits", q["bits"]),
                            entry.get("mode", q.get("mode", "affine")), where)
@@ -235,6 +253,13 @@ def prepare(model, qconfig: dict, checkpoint_names, source: str) -> list:
         entry = qconfig.get(path)
         if entry is False:
             continue
+        if isinstance(entry, dict) and "ggml_type" in entry:
+            misfit = _ggml_misfit(layer, entry["ggml_type"])
+            if misfit:
+                problems.append(f"{path}: {misfit}")
+            else:
+                plan.append((path, layer, entry["ggml_type"]))
+            continue
         if isinstance(entry, dict):
             settings = (entry.get("group_size", default[0]), entry.get("bits", default[1]),
                         entry.get("mode", default[2]))
@@ -251,5 +276,27 @@ def prepare(model, qconfig: dict, checkpoint_names, source: str) -> list:
         raise UnsupportedConfigError(f"{source}: the quantization config does not fit the model: "
                                      + "; ".join(problems))
     for path, layer, settings in plan:
-        set_module(model, path, _quantized_copy(layer, *settings))
+        new = _ggml_copy(layer, settings) if isinstance(settings, str) else _quantized_copy(layer, *settings)
+        set_module(model, path, new)
     return [p for p, _, _ in plan]
+
+
+def _ggml_misfit(layer, ggml_type: str) -> str | None:
+    """Why ``layer``'s rows cannot be blocks of ``ggml_type`` (None when they can)."""
+    block = ggml.get_type(ggml_type).block_size
+    width = _width(layer)
+    if width % block:
+        what = "dims" if isinstance(layer, Embedding) else "input width"
+        return f"{what} {width} is not a multiple of {ggml_type}'s block of {block}"
+    return None
+
+
+def _ggml_copy(layer, ggml_type: str):
+    """An all-zero GGML layer of ``layer``'s shape (its blocks come from the checkpoint)."""
+    if isinstance(layer, Embedding):
+        new = GGMLEmbedding(layer.num_embeddings, layer.dims, ggml_type=ggml_type)
+    else:
+        out_f, in_f = layer.weight.shape
+        new = GGMLLinear(out_f, in_features=in_f, ggml_type=ggml_type, bias="bias" in layer)
+    new._path = layer._path
+    return new
