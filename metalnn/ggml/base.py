@@ -16,6 +16,8 @@ bytes are identical, and are vectorised over blocks.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import mlx.core as mx
@@ -88,11 +90,15 @@ class GGMLType:
     encode_chunk: ClassVar[int] = 1 << 16
 
     @classmethod
-    def encode(cls, rows) -> np.ndarray:
+    def encode(cls, rows, threads: int | None = None) -> np.ndarray:
         """``float [..., k * block_size] -> uint8 [..., k * type_size]``: rows packed as ggml's reference
         quantizer packs them (NumPy in, NumPy out; an `mx.array` is accepted too). The values are taken
         as float32, as ggml quantizes them. Quantized types refuse non-finite values (ggml's quantizers
-        would write meaningless blocks for them); the float types store them."""
+        would write meaningless blocks for them); the float types store them.
+
+        Blocks are encoded in chunks of `encode_chunk` values, on up to ``threads`` threads (NumPy
+        releases the GIL in its loops; default: the machine's cores, at most 8). Blocks are independent,
+        so the bytes do not depend on the number of threads."""
         if not cls.can_encode():
             cls.encode_blocks(None)  # raises, naming the types that can be written
         if isinstance(rows, mx.array):
@@ -113,9 +119,19 @@ class GGMLType:
                              f"cannot represent")
         out = np.empty((values.shape[0], cls.type_size), dtype=np.uint8)
         step = max(1, cls.encode_chunk // cls.block_size)
-        with np.errstate(all="ignore"):  # ggml divides by zero and discards the result in places
-            for start in range(0, len(values), step):
+        starts = range(0, len(values), step)
+
+        def run(start):
+            with np.errstate(all="ignore"):  # ggml divides by zero and discards the result in places
                 out[start:start + step] = cls.encode_blocks(values[start:start + step])
+
+        threads = min(8, os.cpu_count() or 1) if threads is None else threads
+        if threads > 1 and len(starts) > 1:
+            with ThreadPoolExecutor(min(threads, len(starts))) as pool:
+                list(pool.map(run, starts))
+        else:
+            for start in starts:
+                run(start)
         return out.reshape(*rows.shape[:-1], rows.shape[-1] // cls.block_size * cls.type_size)
 
 
@@ -186,9 +202,16 @@ def nearest_int(values: np.ndarray) -> np.ndarray:
 
 def seq_sum(terms: np.ndarray, start=None) -> np.ndarray:
     """``terms [m, n] -> [n]``: the sum over the first axis accumulated one term after another in
-    float32, as ggml's loops ``s += t`` do (NumPy's own sums are pairwise and round differently).
-    ``start=None`` begins from ``terms[0]`` (ggml's ``s = t[0]`` followed by a loop from 1), a number
-    begins from that value (``s = 0``)."""
+    float32, as ggml's loops ``s += t`` do. ``start=None`` begins from ``terms[0]`` (ggml's
+    ``s = t[0]`` followed by a loop from 1), a number begins from that value (``s = 0``).
+
+    NumPy sums pairwise (a different rounding) only along a contiguous axis; reducing over the first
+    axis of a C-contiguous array adds row after row into the running totals, in order, which the
+    tests check against an explicit loop. Other layouts take the explicit loop."""
+    if terms.ndim == 2 and terms.flags.c_contiguous:
+        if start is None:
+            return np.add.reduce(terms, axis=0)
+        return np.add.reduce(terms, axis=0, initial=F32(start))
     if start is None:
         total = terms[0].copy()
         rest = terms[1:]

@@ -105,76 +105,119 @@ def _clamped(values, lo, hi):
     return np.clip(nearest_int(values), lo, hi)
 
 
+def _grid(scaled, span_ok, lo, hi, out):
+    """``out = clamp(nearest_int(scaled), lo, hi)`` as float32, in place (``scaled`` may be ``out``).
+    Where the caller knows every value is far inside ``nearest_int``'s range (``span_ok``), NumPy's
+    round-half-to-even is the same and faster; otherwise ggml's bit trick is reproduced exactly."""
+    if span_ok:
+        np.rint(scaled, out=out)
+        np.clip(out, lo, hi, out=out)
+    else:
+        out[...] = np.clip(nearest_int(scaled), lo, hi)
+    return out
+
+
+def _bounded(iscale, span):
+    """Whether ``iscale * v`` for ``|v| <= span`` stays within a few grid steps (finite scales)."""
+    return bool(np.isfinite(iscale).all() and np.isfinite(span).all())
+
+
 def _make_qkx2_quants(x, weights, nmax, rmin, rdelta, nstep, use_mad):
     """ggml's ``make_qkx2_quants`` on each column of ``x [m, s]`` (weights alike): the scale, the
     minimum (as the positive amount subtracted) ``[s]`` and the levels ``int [m, s]`` in ``0..nmax``
-    of the best of ``nstep + 1`` weighted least-squares fits of ``x ~ scale * level - min``."""
+    of the best of ``nstep + 2`` weighted fits of ``x ~ scale * level - min``: the grid
+    ``(max - min) / nmax`` as is, then for ``nmax + rmin + rdelta * step`` grid steps across the range
+    the least-squares scale and minimum of its levels (the minimum kept ``<= 0``). A later fit is
+    taken when its weighted error is smaller; the next grid starts from the minimum taken."""
     lo = x.min(axis=0)
     hi = x.max(axis=0)
     sum_w = seq_sum(weights)
     sum_x = seq_sum(weights * x)
     lo = np.where(lo > 0, F32(0.0), lo).astype(F32)
-    flat = hi == lo
+    flat = hi == lo  # ggml returns scale 0, levels 0 and this minimum at once
+    flat_min = lo
+    shifted, levels, wl, tmp = (np.empty_like(x) for _ in range(4))
+
+    def fit_levels(iscale, lo):
+        iscale = np.where(flat, F32(0.0), iscale).astype(F32)
+        np.subtract(x, lo, out=shifted)
+        np.multiply(shifted, iscale, out=shifted)
+        return _grid(shifted, _bounded(iscale, hi - lo), 0, nmax, out=levels)
+
+    def error(scale, lo):
+        np.multiply(levels, scale, out=tmp)
+        np.add(tmp, lo, out=tmp)
+        np.subtract(tmp, x, out=tmp)
+        if use_mad:
+            np.abs(tmp, out=tmp)
+        else:
+            np.multiply(tmp, tmp, out=tmp)
+        return seq_sum(np.multiply(tmp, weights, out=tmp), start=0.0)
+
     iscale = F32(nmax) / (hi - lo)
     scale = F32(1.0) / iscale
-    levels = _clamped(iscale * (x - lo), 0, nmax)
-    diff = scale * levels.astype(F32) + lo - x
-    diff = np.abs(diff) if use_mad else diff * diff
-    best_error = seq_sum(weights * diff, start=0.0)
+    fit_levels(iscale, lo)
+    best_error = error(scale, lo)
+    best_iscale, best_lo = iscale, lo  # to rebuild the levels taken
     for step in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (hi - lo)
-        trial = _clamped(iscale * (x - lo), 0, nmax)
-        lf = trial.astype(F32)
-        wl = weights * lf
+        fit_levels(iscale, lo)
+        np.multiply(weights, levels, out=wl)
         sum_l = seq_sum(wl, start=0.0)
-        sum_l2 = seq_sum(wl * lf, start=0.0)
-        sum_xl = seq_sum(wl * x, start=0.0)
+        sum_l2 = seq_sum(np.multiply(wl, levels, out=tmp), start=0.0)
+        sum_xl = seq_sum(np.multiply(wl, x, out=tmp), start=0.0)
         det = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
         clipped = this_min > 0
-        this_scale = np.where(clipped, sum_xl / sum_l2, this_scale)
-        this_min = np.where(clipped, F32(0.0), this_min)
-        diff = this_scale * lf + this_min - x
-        diff = np.abs(diff) if use_mad else diff * diff
-        cur_error = seq_sum(weights * diff, start=0.0)
+        this_scale = np.where(clipped, sum_xl / sum_l2, this_scale).astype(F32)
+        this_min = np.where(clipped, F32(0.0), this_min).astype(F32)
+        cur_error = error(this_scale, this_min)
         better = (det > 0) & (cur_error < best_error)
-        levels = np.where(better, trial, levels)
+        best_iscale = np.where(better, iscale, best_iscale)
+        best_lo = np.where(better, lo, best_lo)
         best_error = np.where(better, cur_error, best_error)
         scale = np.where(better, this_scale, scale)
         lo = np.where(better, this_min, lo)
+    fit_levels(best_iscale, best_lo)
     scale = np.where(flat, F32(0.0), scale)
-    levels = np.where(flat, 0, levels)
-    return scale.astype(F32), (-lo).astype(F32), levels
+    the_min = np.where(flat, -flat_min, -lo)
+    return scale.astype(F32), the_min.astype(F32), np.where(flat, 0, levels.astype(np.int32))
 
 
 def _make_qx_quants(x, nmax):
     """ggml's ``make_qx_quants`` with ``rmse_type = 1`` (weights ``x**2``) on each column of
     ``x [m, s]``: the scale ``[s]`` and levels ``int [m, s]`` in ``0..2 nmax - 1`` (``l + nmax``) of the
-    best of 19 symmetric grids ``x ~ scale * l``, ``l`` in ``-nmax..nmax-1``."""
+    best of 19 symmetric grids ``x ~ scale * l``, ``l`` in ``-nmax..nmax-1`` (grid steps of
+    ``max / -(nmax + 0.1 k)``, ``k = -9..9``; a later one taken when it fits better)."""
     amax, vmax = first_abs_max(x, axis=0)
+    zero = amax < GROUP_MAX_EPS  # ggml returns scale 0 and levels 0
     w = x * x
     wx = w * x
+    levels, tmp = np.empty_like(x), np.empty_like(x)
 
     def fit(iscale):
-        ls = _clamped(iscale * x, -nmax, nmax - 1)
-        lf = ls.astype(F32)
-        return ls, seq_sum(wx * lf, start=0.0), seq_sum(w * lf * lf, start=0.0)
+        iscale = np.where(zero, F32(0.0), iscale).astype(F32)
+        np.multiply(x, iscale, out=levels)
+        _grid(levels, _bounded(iscale, amax), -nmax, nmax - 1, out=levels)
+        sumlx = seq_sum(np.multiply(wx, levels, out=tmp), start=0.0)
+        np.multiply(w, levels, out=tmp)
+        return iscale, sumlx, seq_sum(np.multiply(tmp, levels, out=tmp), start=0.0)
 
-    ls, sumlx, suml2 = fit(F32(-nmax) / vmax)
-    levels = ls + nmax
+    best_iscale, sumlx, suml2 = fit(F32(-nmax) / vmax)
     scale = np.where(suml2 != 0, sumlx / suml2, F32(0.0)).astype(F32)
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        ls, sumlx, suml2 = fit(-(F32(nmax) + F32(0.1) * F32(step)) / vmax)
+        iscale, sumlx, suml2 = fit(-(F32(nmax) + F32(0.1) * F32(step)) / vmax)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        levels = np.where(better, ls + nmax, levels)
+        best_iscale = np.where(better, iscale, best_iscale)
         scale = np.where(better, sumlx / suml2, scale)
         best = np.where(better, scale * sumlx, best)
-    zero = amax < GROUP_MAX_EPS
-    return np.where(zero, F32(0.0), scale).astype(F32), np.where(zero, 0, levels)
+    fit(best_iscale)
+    return (np.where(zero, F32(0.0), scale).astype(F32),
+            np.where(zero, 0, levels.astype(np.int32) + nmax))
 
 
 def _make_q3_quants(x, nmax):
