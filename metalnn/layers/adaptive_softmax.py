@@ -16,7 +16,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 from .linear import Linear
 
 
@@ -46,12 +46,11 @@ class AdaptiveSoftmax(Layer):
     """
 
     fixed_axes = ("W",)
+    positional_hint = "{cls}({in_features}, {n_classes}, {cutoffs}, div_value={extra[0]})"
 
-    def __init__(self, in_features: int, n_classes: int, cutoffs, *extra, div_value: float = 4.0,
+    def __init__(self, in_features: int, n_classes: int, cutoffs, *, div_value: float = 4.0,
                  head_bias: bool = False, dtype=None):
         super().__init__()
-        no_positional("AdaptiveSoftmax", extra, f"AdaptiveSoftmax({in_features}, {n_classes}, {cutoffs}, "
-                                               f"div_value={extra[0] if extra else 4.0})")
         cutoffs = [int(c) for c in cutoffs]
         if (not cutoffs or cutoffs != sorted(cutoffs) or min(cutoffs) <= 0 or max(cutoffs) > n_classes - 1
                 or len(set(cutoffs)) != len(cutoffs)):

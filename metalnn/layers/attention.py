@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .. import functional as F
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 from .linear import Linear
 from .norm import RMSNorm
 
@@ -119,14 +119,15 @@ class SelfAttention(Layer):
 
     fixed_axes = ("W",)
 
-    def __init__(self, num_heads: int, *extra, num_kv_heads: int | None = None, head_dim: int | None = None,
+    positional_hint = "{cls}({num_heads}, num_kv_heads=...)"
+
+    def __init__(self, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, out_bias: bool | None = None, causal: bool = True, rope: bool = True,
                  rope_base: float = 10000.0, rope_traditional: bool = False, rope_scale: float = 1.0, rope_freqs=None,
                  rope_dims: int | None = None, scale: float | None = None, qk_norm: bool = False,
                  output_gate: bool = False, sliding_window: int | None = None, norm_eps: float = 1e-6,
                  norm_offset: float = 0.0, init=None, dtype=None):
         super().__init__()
-        no_positional("SelfAttention", extra, f"SelfAttention({num_heads}, num_kv_heads=...)")
         self.num_heads = int(num_heads)
         self.num_kv_heads = int(num_kv_heads or num_heads)
         if self.num_heads <= 0 or self.num_heads % self.num_kv_heads:

@@ -21,6 +21,12 @@ compile are drawn from the `Device`'s key (``Device(seed=...)``), one fresh key 
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import string
+import types
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -34,11 +40,88 @@ def as_data(x) -> Data:
     return x if isinstance(x, Data) else Data(x)
 
 
-def no_positional(layer: str, extra: tuple, right_call: str):
-    """Raise the TypeError for positional arguments a metalnn constructor takes only as keywords."""
-    if extra:
-        raise TypeError(f"{layer}: too many positional arguments {extra!r}; metalnn takes the sizes it cannot "
-                        f"infer positionally and everything else by keyword, e.g. {right_call}")
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _plain(value) -> bool:
+    """Whether ``repr(value)`` reads as a literal in a suggested call (else the parameter's name is shown)."""
+    if isinstance(value, (tuple, list)):
+        return len(value) <= 8 and all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _derived_hint(positional: list, keyword_only: list):
+    """The call suggested where none is declared: ``cls(<the positional arguments>, <first keyword>=...)``."""
+
+    def hint(a) -> str:
+        shown = [repr(getattr(a, n)) if _plain(getattr(a, n)) else n for n in positional]
+        return f"{a.cls}({', '.join(shown + [f'{k}=...' for k in keyword_only[:1]])})"
+
+    return hint
+
+
+def _check_hint(hint: str, names: set, where: str) -> None:
+    """A format-string hint may name only the parameters, ``cls`` and ``extra``."""
+    for _, field, _, _ in string.Formatter().parse(hint):
+        if field is None:
+            continue
+        root = re.match(r"[^.\[]*", field).group()
+        if root not in names | {"cls", "extra"}:
+            raise TypeError(f"{where}: positional_hint {hint!r} names {{{field}}}, which is not one of its "
+                            f"parameters ({', '.join(sorted(names)) or 'none'}), cls or extra")
+
+
+def guard_positional(hint=None):
+    """Decorator: a call of the function (or ``__init__``) with more positional arguments than it
+    takes raises a TypeError that names the right call, instead of Python's count of arguments.
+    The signature stays the function's own (``functools.wraps``: ``inspect.signature`` and
+    ``help`` show it).
+
+    ``hint`` is the right call: a format string over the arguments by parameter name (the
+    positional ones given, keywords given, defaults otherwise; a required one not given reads as
+    its own name), ``cls`` (the class's name for an ``__init__``, the function's otherwise) and
+    ``extra`` (the tuple of surplus positional arguments), e.g.
+    ``"{cls}({extra[0]}, in_features={out_features})"``; or a callable taking them as attributes
+    of one namespace (``a.cls``, ``a.extra``, ``a.out_features``) and returning the call; or None:
+    ``cls(<positional arguments>, <first keyword-only parameter>=...)``. Every `Layer` subclass
+    gets this on its ``__init__`` with its ``positional_hint``.
+    """
+    return lambda fn: _guard(fn, hint)
+
+
+def _guard(fn, hint, method: bool | None = None):
+    """`guard_positional`'s wrapper of ``fn`` (a method when its first parameter is ``self``)."""
+    params = list(inspect.signature(fn).parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return fn  # takes any number of positional arguments
+    if method is None:
+        method = bool(params) and params[0].name == "self"
+    named = [p for p in (params[1:] if method else params) if p.kind is not p.VAR_KEYWORD]
+    names = {p.name for p in named}
+    if isinstance(hint, str):
+        if names & {"cls", "extra"}:
+            raise TypeError(f"{fn.__qualname__}: a positional_hint cannot name a parameter called cls or extra")
+        _check_hint(hint, names, fn.__qualname__)
+    elif hint is None:
+        hint = _derived_hint([p.name for p in named if p.kind in _POSITIONAL],
+                             [p.name for p in named if p.kind is p.KEYWORD_ONLY])
+    limit = sum(p.kind in _POSITIONAL for p in params)
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        if len(args) > limit:
+            title = type(args[0]).__name__ if method else fn.__name__
+            given = dict(zip([p.name for p in params[:limit]], args))
+            given.update(kwargs)
+            values = {p.name: given.get(p.name, p.name if p.default is p.empty else p.default) for p in named}
+            ns = types.SimpleNamespace(**{**values, "cls": title, "extra": args[limit:]})
+            call = hint.format_map(vars(ns)) if isinstance(hint, str) else hint(ns)
+            raise TypeError(f"{title}: too many positional arguments {ns.extra!r}; metalnn takes the sizes it "
+                            f"cannot infer positionally and everything else by keyword, e.g. {call}")
+        return fn(*args, **kwargs)
+
+    guarded.__positional_guard__ = True
+    return guarded
 
 
 class Layer(nn.Module):
@@ -53,12 +136,29 @@ class Layer(nn.Module):
       depends on the input width).
     * ``to_data(x)`` / ``from_data(out, x)`` (optional): how a plain-array call maps its input to
       `Data` and the output back, where the batch-first default does not fit (images, token ids).
+    * ``positional_hint`` (class attribute, optional): the right call that the TypeError names when
+      the constructor gets more positional arguments than it takes (mlx.nn's argument order, say):
+      see `guard_positional`. It is read from the body of the class that defines ``__init__`` (a
+      subclass with an ``__init__`` of its own declares its own, or gets the derived one).
+
+    Constructors take the sizes metalnn cannot infer positionally and everything else by keyword
+    (``def __init__(self, out_features, *, in_features=None, ...)``); every subclass's ``__init__``
+    is wrapped by `guard_positional` when the class is created.
     """
 
     fixed_axes: tuple = ()
     #: a repeated block of a deep model (a transformer block): what `checkpoint_blocks` selects
     is_block: bool = False
+    #: the call named by the TypeError for too many positional arguments (see `guard_positional`)
+    positional_hint = None
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "__positional_guard__", False):
+            cls.__init__ = _guard(init, cls.__dict__.get("positional_hint"), method=True)
+
+    @guard_positional()
     def __init__(self):
         super().__init__()
         self._built = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from .base import Layer, Layers, no_positional
+from .base import Layer, Layers
 from .linear import Linear
 
 COMBINE_MODES = ("concat", "add", "avg", "filter", "grid_scatter")
@@ -26,9 +26,10 @@ class Parallel(Layer):
     and ``grid_scatter``).
     """
 
-    def __init__(self, branches, *extra, combine: str = "concat"):
+    positional_hint = "{cls}(branches, combine={extra[0]!r})"
+
+    def __init__(self, branches, *, combine: str = "concat"):
         super().__init__()
-        no_positional("Parallel", extra, f"Parallel(branches, combine={extra[0]!r})" if extra else "")
         if combine not in COMBINE_MODES:
             raise ValueError(f"Parallel: combine must be one of {COMBINE_MODES}, got {combine!r}")
         if not branches:

@@ -43,7 +43,7 @@ import mlx.core as mx
 from .. import init as initializers
 from ..data import Data, MTLSize
 from ..functional import conv as Fconv
-from .base import Layer, no_positional
+from .base import Layer
 from .linear import float_dtype
 
 
@@ -58,14 +58,16 @@ class _ConvBase(Layer):
     _n = 2
     _transposed = False
 
-    def __init__(self, out_channels: int, kernel_size, *extra, stride=1, padding=0, dilation=1, groups: int = 1,
+    @staticmethod
+    def positional_hint(a):  # mlx.nn's Conv2d(in_channels, out_channels, kernel_size)
+        return (f"{a.cls}({a.kernel_size}, {a.extra[0]}, in_channels={a.out_channels}) for mlx.nn's "
+                f"{a.cls[:-2]}{a.cls[-2:].lower()}({a.out_channels}, {a.kernel_size}, {a.extra[0]})")
+
+    def __init__(self, out_channels: int, kernel_size, *, stride=1, padding=0, dilation=1, groups: int = 1,
                  bias: bool = True, in_channels: int | None = None, depth: int | None = None, output_padding=0,
                  init=None, bias_init=None, dtype=None):
         super().__init__()
         name = type(self).__name__
-        no_positional(name, extra, f"{name}({kernel_size}, {extra[0]}, in_channels={out_channels}) for mlx.nn's "
-                                   f"{name[:-2]}{name[-2:].lower()}({out_channels}, {kernel_size}, {extra[0]})"
-                      if extra else "")
         n = self._n
         if isinstance(out_channels, bool) or not isinstance(out_channels, int) or out_channels < 1:
             raise ValueError(f"{name}: out_channels must be a positive int, got {out_channels!r}")

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 
 
 class Embedding(Layer):
@@ -25,9 +25,10 @@ class Embedding(Layer):
         dtype: table dtype (default float32).
     """
 
-    def __init__(self, num_embeddings: int, dims: int, *extra, init=None, dtype=None):
+    positional_hint = "{cls}({num_embeddings}, {dims}, init=...)"
+
+    def __init__(self, num_embeddings: int, dims: int, *, init=None, dtype=None):
         super().__init__()
-        no_positional("Embedding", extra, f"Embedding({num_embeddings}, {dims}, init=...)")
         for name, v in (("num_embeddings", num_embeddings), ("dims", dims)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Embedding: {name} must be a positive int, got {v!r}")

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from .. import functional as F
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 from .conv import Conv1D
 from .linear import Linear, float_dtype
 from .norm import GatedRMSNorm
@@ -84,14 +84,13 @@ class GatedDeltaNet(Layer):
     """
 
     fixed_axes = ("W",)
+    positional_hint = "{cls}({num_k_heads}, num_v_heads={extra[0]!r})"
 
-    def __init__(self, num_k_heads: int, *extra, num_v_heads: int | None = None, head_k_dim: int = 128,
+    def __init__(self, num_k_heads: int, *, num_v_heads: int | None = None, head_k_dim: int = 128,
                  head_v_dim: int | None = None, conv_kernel: int = 4, eps: float = 1e-6, chunk_size: int = 64,
                  mode: str = "auto", separate_projections: bool = False, activation: str = "silu", init=None,
                  dtype=None):
         super().__init__()
-        no_positional("GatedDeltaNet", extra, f"GatedDeltaNet({num_k_heads}, num_v_heads={extra[0]!r})"
-                      if extra else "")
         self.n_k_heads = int(num_k_heads)
         self.n_v_heads = int(num_v_heads or num_k_heads)
         if self.n_k_heads <= 0 or self.n_v_heads % self.n_k_heads:

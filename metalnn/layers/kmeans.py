@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 
 
 class KMeans(Layer):
@@ -23,9 +23,10 @@ class KMeans(Layer):
 
     fixed_axes = ("W",)
 
-    def __init__(self, clusters: int, *extra, temperature: float = 1.0, output: str = "probabilities", init=None):
+    positional_hint = "{cls}({clusters}, temperature={extra[0]!r})"
+
+    def __init__(self, clusters: int, *, temperature: float = 1.0, output: str = "probabilities", init=None):
         super().__init__()
-        no_positional("KMeans", extra, f"KMeans({clusters}, temperature={extra[0]!r})" if extra else "")
         if output not in ("probabilities", "features"):
             raise ValueError(f"KMeans: output must be 'probabilities' or 'features', got {output!r}")
         self.clusters, self.temperature, self.output = int(clusters), float(temperature), output

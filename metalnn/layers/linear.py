@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 
 
 def float_dtype(dtype):
@@ -34,12 +34,11 @@ class Linear(Layer):
     """
 
     fixed_axes = ("W",)
+    positional_hint = "{cls}({extra[0]}, in_features={out_features}) for mlx.nn's {cls}({out_features}, {extra[0]})"
 
-    def __init__(self, out_features: int, *extra, in_features: int | None = None, bias: bool = True, init=None,
+    def __init__(self, out_features: int, *, in_features: int | None = None, bias: bool = True, init=None,
                  bias_init=None, dtype=None):
         super().__init__()
-        no_positional("Linear", extra, f"Linear({extra[0] if extra else 'out'}, in_features={out_features}) for "
-                                       f"mlx.nn's Linear({out_features}, {extra[0] if extra else 'out'})")
         if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features <= 0:
             raise ValueError(f"Linear: out_features must be a positive int, got {out_features!r}")
         self.out_features = int(out_features)

@@ -11,7 +11,7 @@ import math
 
 from .. import functional as F
 from ..data import Data
-from .base import Layer, no_positional
+from .base import Layer
 from .dropout import Dropout
 from .linear import Linear
 
@@ -46,12 +46,12 @@ class MLP(Layer):
     """
 
     fixed_axes = ("W",)
+    positional_hint = "{cls}({dims}, activation={extra[0]!r})"
 
-    def __init__(self, dims: int | None = None, *extra, activation: str = "gelu", expansion_factor: float = 2.0,
+    def __init__(self, dims: int | None = None, *, activation: str = "gelu", expansion_factor: float = 2.0,
                  hidden_dims: int | None = None, dropout: float = 0.0, bias: bool = False, init=None, init_out=None,
                  dtype=None):
         super().__init__()
-        no_positional(type(self).__name__, extra, f"MLP({dims}, activation={extra[0]!r})" if extra else "")
         self.gate_activation = GATED.get(activation)
         F.check_activation(self.gate_activation or activation)
         self.activation = activation
@@ -125,9 +125,10 @@ class SwiGLU(MLP):
         bias, dropout, init, init_out, dtype: as `MLP`.
     """
 
-    def __init__(self, hidden_dims: int, *extra, activation: str = "silu", bias: bool = False,
+    positional_hint = "{cls}({hidden_dims}, activation=...)"
+
+    def __init__(self, hidden_dims: int, *, activation: str = "silu", bias: bool = False,
                  dropout: float = 0.0, init=None, init_out=None, dtype=None, dims: int | None = None):
-        no_positional("SwiGLU", extra, f"SwiGLU({hidden_dims}, activation=...)")
         gated = {v: k for k, v in GATED.items()}
         if activation not in gated:
             raise ValueError(f"SwiGLU: the gate activation must be one of {sorted(gated)}, got {activation!r}")

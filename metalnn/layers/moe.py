@@ -15,7 +15,7 @@ import mlx.core as mx
 from .. import functional as F
 from .. import init as initializers
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 from .linear import Linear, float_dtype
 from .mlp import SwiGLU
 
@@ -43,10 +43,11 @@ class SwitchGLU(Layer):
 
     fixed_axes = ("W",)
 
-    def __init__(self, num_experts: int, hidden_dims: int, *extra, activation: str = "silu", init=None,
+    positional_hint = "{cls}({num_experts}, {hidden_dims}, activation=...)"
+
+    def __init__(self, num_experts: int, hidden_dims: int, *, activation: str = "silu", init=None,
                  dtype=None):
         super().__init__()
-        no_positional("SwitchGLU", extra, f"SwitchGLU({num_experts}, {hidden_dims}, activation=...)")
         if num_experts <= 0 or hidden_dims <= 0:
             raise ValueError(f"SwitchGLU: num_experts and hidden_dims must be positive, got {num_experts}, "
                              f"{hidden_dims}")
@@ -130,11 +131,12 @@ class SparseMoE(Layer):
 
     fixed_axes = ("W",)
 
-    def __init__(self, num_experts: int, top_k: int, hidden_dims: int, *extra, norm_topk_prob: bool = True,
+    positional_hint = "{cls}({num_experts}, {top_k}, {hidden_dims}, norm_topk_prob=...)"
+
+    def __init__(self, num_experts: int, top_k: int, hidden_dims: int, *, norm_topk_prob: bool = True,
                  shared_expert_dims: int | None = None, activation: str = "silu", record_router_logits: bool = False,
                  init=None, dtype=None):
         super().__init__()
-        no_positional("SparseMoE", extra, f"SparseMoE({num_experts}, {top_k}, {hidden_dims}, norm_topk_prob=...)")
         if not 0 < int(top_k) <= int(num_experts):
             raise ValueError(f"SparseMoE: top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.num_experts = int(num_experts)

@@ -6,7 +6,10 @@ import mlx.core as mx
 
 from .. import functional as F
 from ..data import Data
-from .base import Layer, no_positional
+from .base import Layer
+
+#: the right call for mlx.nn's ``RMSNorm(dims, eps)``
+_NORM_HINT = "{cls}({dims}, eps={extra[0]})"
 from .linear import float_dtype
 
 
@@ -17,10 +20,10 @@ class _Norm(Layer):
     fixed_axes = ("W",)
     has_bias = False
 
-    def __init__(self, name, dims, extra, eps, affine, bias, dtype, offset=0.0):
+    def __init__(self, dims, eps, affine, bias, dtype, offset=0.0):
         super().__init__()
+        name = type(self).__name__
         self.offset = float(offset)
-        no_positional(name, extra, f"{name}({dims}, eps={extra[0] if extra else 1e-5})")
         if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims <= 0):
             raise ValueError(f"{name}: dims must be a positive int (the feature width), got {dims!r}")
         if not eps > 0:
@@ -59,9 +62,11 @@ class RMSNorm(_Norm):
         dtype: parameter dtype.
     """
 
-    def __init__(self, dims: int | None = None, *extra, eps: float = 1e-5, affine: bool = True, offset: float = 0.0,
+    positional_hint = _NORM_HINT
+
+    def __init__(self, dims: int | None = None, *, eps: float = 1e-5, affine: bool = True, offset: float = 0.0,
                  dtype=None):
-        super().__init__("RMSNorm", dims, extra, eps, affine, False, dtype, offset=offset)
+        super().__init__(dims, eps, affine, False, dtype, offset=offset)
 
     def forward(self, device, data):
         x = data.array
@@ -89,10 +94,11 @@ class LayerNorm(_Norm):
     """
 
     has_bias = True
+    positional_hint = _NORM_HINT
 
-    def __init__(self, dims: int | None = None, *extra, eps: float = 1e-5, affine: bool = True, bias: bool = True,
+    def __init__(self, dims: int | None = None, *, eps: float = 1e-5, affine: bool = True, bias: bool = True,
                  dtype=None):
-        super().__init__("LayerNorm", dims, extra, eps, affine, bias, dtype)
+        super().__init__(dims, eps, affine, bias, dtype)
 
     def forward(self, device, data):
         w = self.weight if self.affine else None
@@ -112,8 +118,10 @@ class GatedRMSNorm(_Norm):
         dtype: parameter dtype.
     """
 
-    def __init__(self, dims: int | None = None, *extra, eps: float = 1e-6, dtype=None):
-        super().__init__("GatedRMSNorm", dims, extra, eps, True, False, dtype)
+    positional_hint = _NORM_HINT
+
+    def __init__(self, dims: int | None = None, *, eps: float = 1e-6, dtype=None):
+        super().__init__(dims, eps, True, False, dtype)
 
     def forward(self, device, data, gate=None):
         if gate is None:

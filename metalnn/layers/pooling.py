@@ -15,7 +15,7 @@ import itertools
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 
 
 def _pair(v, name, layer):
@@ -47,10 +47,11 @@ class _Image2D(Layer):
 
 
 class _Pool2D(_Image2D):
-    def __init__(self, kernel_size, *extra, stride=None, padding=0):
+    positional_hint = "{cls}({kernel_size}, stride={extra[0]})"
+
+    def __init__(self, kernel_size, *, stride=None, padding=0):
         super().__init__()
         name = type(self).__name__
-        no_positional(name, extra, f"{name}({kernel_size}, stride={extra[0]})" if extra else "")
         self.kernel_size = _pair(kernel_size, "kernel_size", name)
         self.stride = self.kernel_size if stride is None else _pair(stride, "stride", name)
         self.padding = _pair(padding, "padding", name)
@@ -118,8 +119,10 @@ class AvgPool2D(_Pool2D):
             of non-padding elements.
     """
 
-    def __init__(self, kernel_size, *extra, stride=None, padding=0, count_include_pad: bool = True):
-        super().__init__(kernel_size, *extra, stride=stride, padding=padding)
+    positional_hint = _Pool2D.positional_hint
+
+    def __init__(self, kernel_size, *, stride=None, padding=0, count_include_pad: bool = True):
+        super().__init__(kernel_size, stride=stride, padding=padding)
         self.count_include_pad = count_include_pad
 
     def forward(self, device, data):

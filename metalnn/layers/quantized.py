@@ -22,7 +22,7 @@ import mlx.core as mx
 from .. import init as initializers
 from ..data import Data, MTLSize
 from .. import functional as F
-from .base import Layer, no_positional
+from .base import Layer
 from .linear import float_dtype
 
 #: mode -> (allowed group sizes, allowed bits, default group size, default bits), as mx.quantize documents
@@ -115,12 +115,11 @@ class QuantizedLinear(_Quantized):
     """
 
     fixed_axes = ("W",)
+    positional_hint = "{cls}({extra[0]}, in_features={out_features}, bits=...)"
 
-    def __init__(self, out_features: int, *extra, in_features: int | None = None, bias: bool = True,
+    def __init__(self, out_features: int, *, in_features: int | None = None, bias: bool = True,
                  group_size: int | None = None, bits: int | None = None, mode: str = "affine", dtype=None):
         super().__init__()
-        no_positional("QuantizedLinear", extra, f"QuantizedLinear({extra[0] if extra else 'out'}, "
-                                                f"in_features={out_features}, bits=...)")
         if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features <= 0:
             raise ValueError(f"QuantizedLinear: out_features must be a positive int, got {out_features!r}")
         self._settings("QuantizedLinear", group_size, bits, mode)
@@ -190,10 +189,11 @@ class QuantizedEmbedding(_Quantized):
         dtype: dtype of the scales and biases (default float32).
     """
 
-    def __init__(self, num_embeddings: int, dims: int, *extra, group_size: int | None = None,
+    positional_hint = "{cls}({num_embeddings}, {dims}, bits=...)"
+
+    def __init__(self, num_embeddings: int, dims: int, *, group_size: int | None = None,
                  bits: int | None = None, mode: str = "affine", dtype=None):
         super().__init__()
-        no_positional("QuantizedEmbedding", extra, f"QuantizedEmbedding({num_embeddings}, {dims}, bits=...)")
         for name, v in (("num_embeddings", num_embeddings), ("dims", dims)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"QuantizedEmbedding: {name} must be a positive int, got {v!r}")

@@ -17,21 +17,20 @@ import mlx.core as mx
 
 from .. import init as initializers
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 from .linear import float_dtype
 
 
 class _Recurrent(Layer):
     gates = 1
     fixed_axes = ("W",)
+    positional_hint = ("{cls}({extra[0]}) for mlx.nn's {cls}({hidden_size}, {extra[0]}): the input size is taken "
+                       "from the first input")
 
-    def __init__(self, hidden_size: int, *extra, bias: bool = True, return_sequences: bool = True, init=None,
+    def __init__(self, hidden_size: int, *, bias: bool = True, return_sequences: bool = True, init=None,
                  dtype=None):
         super().__init__()
         name = type(self).__name__
-        no_positional(name, extra, f"{name}({extra[0] if extra else 'hidden_size'}) for mlx.nn's "
-                                   f"{name}({hidden_size}, {extra[0] if extra else 'hidden_size'}): the input size "
-                                   "is taken from the first input")
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
             raise ValueError(f"{name}: hidden_size must be a positive int, got {hidden_size!r}")
         self.hidden_size = int(hidden_size)
@@ -76,8 +75,11 @@ class _Recurrent(Layer):
 class RNN(_Recurrent):
     """Elman RNN: ``h_t = act(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)``, act ``tanh`` or ``relu``."""
 
-    def __init__(self, hidden_size: int, *extra, nonlinearity: str = "tanh", **kw):
-        super().__init__(hidden_size, *extra, **kw)
+    positional_hint = _Recurrent.positional_hint
+
+    def __init__(self, hidden_size: int, *, nonlinearity: str = "tanh", bias: bool = True,
+                 return_sequences: bool = True, init=None, dtype=None):
+        super().__init__(hidden_size, bias=bias, return_sequences=return_sequences, init=init, dtype=dtype)
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"RNN: nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
         self.nonlinearity = nonlinearity

@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 
 from ..data import Data, MTLSize
-from .base import Layer, no_positional
+from .base import Layer
 from .adaptive_softmax import AdaptiveSoftmax
 
 VARIANTS = ("standard", "temperature", "masked", "gumbel", "sparsemax", "entmax", "grid", "hierarchical", "adaptive",
@@ -89,11 +89,12 @@ class Softmax(Layer):
               ``cutoffs``, ``div_value`` as there): input width ``in_features``, output ``n_classes``.
     """
 
-    def __init__(self, variant: str = "standard", *extra, temperature: float = 1.0, mask=None, alpha: float = 1.5,
+    positional_hint = "{cls}({variant!r}, temperature={extra[0]!r})"
+
+    def __init__(self, variant: str = "standard", *, temperature: float = 1.0, mask=None, alpha: float = 1.5,
                  groups: int = 1, levels=None, temperatures=(0.5, 1.0, 2.0), weights=None, learn_weights=False,
                  in_features: int | None = None, n_classes: int | None = None, cutoffs=None, div_value: float = 4.0):
         super().__init__()
-        no_positional("Softmax", extra, f"Softmax({variant!r}, temperature={extra[0]!r})" if extra else "")
         if variant not in VARIANTS:
             raise ValueError(f"Softmax: variant must be one of {VARIANTS}, got {variant!r}")
         if temperature <= 0:

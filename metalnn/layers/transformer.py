@@ -8,7 +8,7 @@ Parameter names follow Hugging Face, so a stack of blocks loads a checkpoint's
 from __future__ import annotations
 
 from ..data import Data
-from .base import Layer, no_positional
+from .base import Layer
 from .attention import SelfAttention
 from .mlp import SwiGLU
 from .norm import RMSNorm
@@ -34,10 +34,11 @@ class DecoderBlock(Layer):
     fixed_axes = ("W",)
     is_block = True
 
-    def __init__(self, mixer: Layer, mlp: Layer, *extra, mixer_name: str = "self_attn", eps: float = 1e-5,
+    positional_hint = "{cls}(mixer, mlp, mixer_name=..., eps=...)"
+
+    def __init__(self, mixer: Layer, mlp: Layer, *, mixer_name: str = "self_attn", eps: float = 1e-5,
                  norm_offset: float = 0.0, dtype=None):
         super().__init__()
-        no_positional("DecoderBlock", extra, "DecoderBlock(mixer, mlp, mixer_name=..., eps=...)")
         if mixer_name in ("input_layernorm", "post_attention_layernorm", "mlp") or not mixer_name.isidentifier():
             raise ValueError(f"DecoderBlock: mixer_name must be an identifier other than the block's own names, got "
                              f"{mixer_name!r}")
@@ -81,13 +82,14 @@ class TransformerBlock(DecoderBlock):
         init, dtype: initializer and dtype of the projections.
     """
 
-    def __init__(self, num_heads: int, mlp_dims: int, *extra, num_kv_heads: int | None = None,
+    positional_hint = "{cls}({num_heads}, {mlp_dims}, num_kv_heads=...)"
+
+    def __init__(self, num_heads: int, mlp_dims: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, eps: float = 1e-5, attention_bias: bool = False,
                  attention_out_bias: bool | None = None, mlp_bias: bool = False, activation: str = "silu",
                  causal: bool = True, rope_base: float = 10000.0, rope_traditional: bool = False,
                  rope_scale: float = 1.0, rope_freqs=None, rope_dims: int | None = None, qk_norm: bool = False,
                  sliding_window: int | None = None, init=None, dtype=None):
-        no_positional("TransformerBlock", extra, f"TransformerBlock({num_heads}, {mlp_dims}, num_kv_heads=...)")
         attn = SelfAttention(num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=attention_bias,
                              out_bias=attention_out_bias, causal=causal, rope_base=rope_base,
                              rope_traditional=rope_traditional, rope_scale=rope_scale, rope_freqs=rope_freqs,
