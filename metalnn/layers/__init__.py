@@ -9,6 +9,7 @@ from .conv import Conv1D, Conv2D, Conv3D, ConvTransposed1D, ConvTransposed2D, Co
 from .dropout import Dropout
 from .embedding import Embedding
 from .gated_deltanet import GatedDeltaCache, GatedDeltaNet
+from .ggml import GGMLEmbedding, GGMLLinear
 from .kmeans import KMeans
 from .linear import Linear, LinearWithWeights, MulRows
 from .mlp import MLP, SwiGLU
@@ -25,7 +26,8 @@ from .transformer import DecoderBlock, TransformerBlock
 __all__ = [
     "Layer", "Layers", "Sequential", "checkpoint_blocks",
     "Activation", "GELU", "LeakyReLU", "ReLU", "Sigmoid", "SiLU", "Tanh", "activation",
-    "Linear", "LinearWithWeights", "MulRows", "Embedding", "QuantizedLinear", "QuantizedEmbedding",
+    "Linear", "LinearWithWeights", "MulRows", "Embedding", "QuantizedLinear", "QuantizedEmbedding", "GGMLLinear",
+    "GGMLEmbedding",
     "Flatten", "Identity", "Reshape",
     "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",

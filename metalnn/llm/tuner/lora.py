@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ... import init as initializers
@@ -32,6 +33,7 @@ from ...errors import WeightLoadError
 from ...layers.base import Layer, blocks, module_at, set_module
 from ...layers.dropout import Dropout
 from ...layers.linear import Linear
+from ...layers.ggml import GGMLLinear
 from ...layers.quantized import QuantizedLinear
 from ...quantization import QUANTIZED
 from ...weights import load_safetensors, save_safetensors
@@ -53,11 +55,11 @@ class LoRASettings:
 
 
 def _is_quantized(layer) -> bool:
-    return isinstance(layer, QuantizedLinear)
+    return isinstance(layer, (QuantizedLinear, GGMLLinear))
 
 
 def _in_out(layer):
-    """(in_features, out_features) of a `Linear` or a `QuantizedLinear` (its logical width)."""
+    """(in_features, out_features) of a `Linear`, `QuantizedLinear` or `GGMLLinear` (its logical width)."""
     if _is_quantized(layer):
         return layer.in_features, layer.out_features
     return layer.weight.shape[1], layer.weight.shape[0]
@@ -320,6 +322,9 @@ def fuse(model, dequantize: bool = False) -> list:
                 new.weight = merged
                 if "bias" in base:
                     new.bias = base.bias
+            elif isinstance(base, GGMLLinear):
+                base.weight = _reencode(base, merged, path)
+                new = base
             else:
                 q = mx.quantize(merged, group_size=base.group_size, bits=base.bits, mode=base.mode)
                 base.weight, base.scales = q[0], q[1].astype(base.scales.dtype)
@@ -337,6 +342,15 @@ def fuse(model, dequantize: bool = False) -> list:
     model.lora_settings = None
     mx.eval(model.parameters())
     return sorted(found)
+
+
+def _reencode(base, merged, path):
+    """``merged`` encoded again in ``base``'s GGML type (ggml's reference encoder)."""
+    try:
+        return mx.array(base.qtype.encode(np.array(merged.astype(mx.float32))))
+    except NotImplementedError:
+        raise ValueError(f"lora.fuse: {path}: metalnn cannot encode {base.ggml_type} blocks; fuse with "
+                         "dequantize=True to get a float layer") from None
 
 
 def trainable_names(model) -> list:
