@@ -197,3 +197,98 @@ def test_a_planted_cycle_is_found(graph):
     planted = {name: set(edges) for name, edges in graph.items()}
     planted["metalnn.layers.base"].add("metalnn.layers.linear")   # linear imports base
     assert _cycle(planted) is not None
+
+
+# -- every architecture module of metalnn.llm.models declares its ModelArgs and registers once ------------
+
+MODELS = ROOT / "metalnn" / "llm" / "models"
+#: the shared pieces of metalnn.llm.models; every other module there is an architecture
+SHARED_MODEL_MODULES = {"__init__", "base", "registry", "loading", "decoder", "rope", "hybrid", "experts"}
+
+
+def _named(node) -> str:
+    """``register`` for ``register(...)`` and ``registry.register(...)``; '' for other callees."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def _architecture_problems(source: str, module: str, shared: bool = False) -> list:
+    """What is wrong with an architecture module's source (``shared``: a shared piece, which must
+    neither register nor define a model class)."""
+    tree = ast.parse(source)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    registers = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _named(n.func) == "register"]
+    models = [c for c in classes.values() if any(_named(b) == "CausalLM" for b in c.bases)]
+    if shared:
+        return ([f"{module}: a shared module calls register"] * bool(registers)
+                + [f"{module}: a shared module defines a CausalLM subclass {c.name}" for c in models])
+    problems = []
+    args = classes.get("ModelArgs")
+    if args is None:
+        problems.append(f"{module}: no ModelArgs class")
+    elif not any(_named(b) == "BaseModelArgs" for b in args.bases) or \
+            not any(_named(d.func if isinstance(d, ast.Call) else d) == "dataclass" for d in args.decorator_list):
+        problems.append(f"{module}: ModelArgs is not a BaseModelArgs dataclass")
+    if len(registers) != 1:
+        problems.append(f"{module}: register is called {len(registers)} times (expected once)")
+    if len(models) != 1:
+        problems.append(f"{module}: {len(models)} CausalLM subclasses (expected one)")
+    for c in models:
+        if not any(_named(d.func if isinstance(d, ast.Call) else d) == "register" for d in c.decorator_list):
+            problems.append(f"{module}: {c.name} is not registered by a decorator")
+        sets_args = any(isinstance(s, ast.Assign) and any(_named(t) == "args_class" for t in s.targets)
+                        and _named(s.value) == "ModelArgs" for s in c.body)
+        if not sets_args:
+            problems.append(f"{module}: {c.name} does not set args_class = ModelArgs")
+    return problems
+
+
+def test_every_architecture_module_declares_model_args_and_registers_once():
+    paths = sorted(MODELS.glob("*.py"))
+    names = {p.stem for p in paths}
+    assert SHARED_MODEL_MODULES <= names, SHARED_MODEL_MODULES - names
+    architectures = names - SHARED_MODEL_MODULES
+    assert {"llama", "gpt2", "qwen2", "qwen3", "mistral", "qwen3_next", "qwen3_5"} <= architectures
+    problems = [p for path in paths for p in _architecture_problems(path.read_text(), path.stem,
+                                                                    shared=path.stem in SHARED_MODEL_MODULES)]
+    assert not problems, problems
+    # and at run time: one registry entry per architecture module, none from elsewhere
+    from metalnn.llm.models import ARCHITECTURES
+
+    registered = [e.model.__module__.rpartition(".")[2] for e in ARCHITECTURES.entries()]
+    assert sorted(registered) == sorted(architectures)
+
+
+GOOD_ARCHITECTURE = '''
+@dataclass
+class ModelArgs(BaseModelArgs):
+    vocab_size: int
+
+@register("FooForCausalLM", model_types=("foo",))
+class FooForCausalLM(CausalLM):
+    args_class = ModelArgs
+'''
+
+
+@pytest.mark.parametrize("source, words", [
+    (GOOD_ARCHITECTURE.replace("class ModelArgs(BaseModelArgs)", "class FooArgs(BaseModelArgs)"), "no ModelArgs"),
+    (GOOD_ARCHITECTURE.replace("@dataclass\n", ""), "not a BaseModelArgs dataclass"),
+    (GOOD_ARCHITECTURE.replace('@register("FooForCausalLM", model_types=("foo",))\n', ""), "called 0 times"),
+    (GOOD_ARCHITECTURE + 'register("BarForCausalLM", model_types=("bar",))(FooForCausalLM)\n', "called 2 times"),
+    (GOOD_ARCHITECTURE + "\nclass Bar(CausalLM):\n    args_class = ModelArgs\n", "2 CausalLM subclasses"),
+    (GOOD_ARCHITECTURE.replace("args_class = ModelArgs", "pass"), "does not set args_class"),
+])
+def test_the_architecture_rule_catches_a_planted_module(source, words):
+    assert _architecture_problems(GOOD_ARCHITECTURE, "foo") == []
+    problems = _architecture_problems(source, "foo")
+    assert any(words in p for p in problems), problems
+
+
+def test_a_shared_module_may_not_register():
+    assert _architecture_problems("from .base import CausalLM\n", "decoder", shared=True) == []
+    assert _architecture_problems(GOOD_ARCHITECTURE, "decoder", shared=True) == [
+        "decoder: a shared module calls register", "decoder: a shared module defines a CausalLM subclass "
+        "FooForCausalLM"]

@@ -1,2 +1,3 @@
-"""GGUF checkpoints: the file `reader`, the `tokenizer` stored in the metadata, and `convert`
-(GGUF tensor names and transforms back to the Hugging Face layout the models read)."""
+"""GGUF checkpoints: the file `reader`, the `tokenizer` stored in the metadata, `convert` (the generic
+reading of a file as a Hugging Face style checkpoint) and `converters` (one class per llama.cpp
+architecture: its tensor names and the transforms undone)."""

@@ -1,12 +1,15 @@
-"""`CausalLM`: what every language model in `metalnn.llm.models` shares.
+"""What every language model in `metalnn.llm.models` shares: `BaseModelArgs` (the typed config) and
+`CausalLM` (the model-level API: calling, caches, generation support, loading and saving).
 
-A model is a `metalnn.Layer` built from a Hugging Face style config dict. It can be used three ways:
+An architecture module declares a ``ModelArgs(BaseModelArgs)`` dataclass (every config key it reads,
+with its default) and a `CausalLM` subclass that builds its layers from those args, and registers
+the class (`metalnn.llm.models.registry.register`). A model can then be used three ways:
 
 * ``model(tokens)`` with integer tokens ``[B, T]`` (or ``[T]``) returns logits ``[B, T, vocab]``
   (``[T, vocab]``) as an ``mx.array``;
 * ``model.compile(device, Data(tokens))`` returns the logits as `Data` ``(W=vocab, H=T, D=B)``;
 * ``model(tokens, cache=model.make_cache())`` runs incrementally: each call appends its positions
-  to the per-layer `KVCache` (see `metalnn.generate`).
+  to the per-layer caches (see `metalnn.generate`).
 
 A model built from a config starts in training mode, like any mlx.nn module; `load_pretrained`
 returns it in evaluation mode (as transformers' ``from_pretrained`` does).
@@ -15,16 +18,20 @@ returns it in evaluation mode (as transformers' ``from_pretrained`` does).
 from __future__ import annotations
 
 import json
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import mlx.core as mx
 
 from ... import init as initializers
 from ... import quantization
-from ...data import Data
+from ...data import Data, MTLSize
 from ...device import Device
-from ...layers.base import Layer
+from ...errors import UnsupportedConfigError
 from ...layers.attention import KVCache
+from ...layers.base import Layer
 from ...weights import load_into, save_safetensors
 
 _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -36,21 +43,119 @@ def dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(dtype, "float32")
 
 
+def refuse(field: str, value, supported) -> typing.NoReturn:
+    """Raise the `UnsupportedConfigError` for a config value metalnn cannot honour: the field, the
+    value given and what is supported."""
+    raise UnsupportedConfigError(f"{field} = {value!r} is not supported (supported: {supported})")
+
+
+def _scalar_type(hint):
+    """``(int | float | bool, optional)`` for a field annotated ``T`` or ``T | None``; None for any other type."""
+    if hint in (int, float, bool):
+        return hint, False
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) and len(args) == 2 and type(None) in args:
+        other = args[0] if args[1] is type(None) else args[1]
+        if other in (int, float, bool):
+            return other, True
+    return None
+
+
+def _coerce(name: str, kind, value):
+    """``value`` as ``kind``: JSON and GGUF numbers arrive as int or float, whichever they were written as."""
+    if kind is bool:
+        if isinstance(value, bool) or value in (0, 1):
+            return bool(value)
+        refuse(name, value, "true or false")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        refuse(name, value, "an integer" if kind is int else "a number")
+    if kind is int:
+        if float(value) != int(value):
+            refuse(name, value, "an integer")
+        return int(value)
+    return float(value)
+
+
+@dataclass
+class BaseModelArgs:
+    """Base of every architecture's ``ModelArgs`` dataclass (as in mlx-lm's ``models/base.py``).
+
+    A subclass declares, as fields, every config key its architecture reads with transformers'
+    default (required keys have none); derived values (``head_dim`` from the widths, ...) are filled
+    in by its ``__post_init__``, which also refuses the values metalnn cannot honour (`refuse`).
+    Fields annotated ``int``, ``float`` or ``bool`` (or ``... | None``) are converted to that type
+    here; a non-integral number for an ``int`` is refused.
+    """
+
+    @classmethod
+    def from_dict(cls, params: dict):
+        """The args of a Hugging Face style config dict. Keys that are no field are ignored; a key
+        given as null takes its field's default (the key is required when the field has none).
+
+        Raises:
+            UnsupportedConfigError: a required key absent (all of them named) or a value refused.
+        """
+        declared = [f for f in fields(cls) if f.init]
+        required = [f.name for f in declared if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if params.get(name) is None]
+        if missing:
+            raise UnsupportedConfigError(f"the config lacks {', '.join(missing)} (required)")
+        kwargs = {}
+        for f in declared:
+            value = params.get(f.name)
+            if value is not None or (f.name in params and _allows_none(cls, f.name)):
+                kwargs[f.name] = value
+        return cls(**kwargs)
+
+    def __post_init__(self):
+        hints = _hints(type(self))
+        for f in fields(self):
+            if not f.init:
+                continue
+            scalar = _scalar_type(hints.get(f.name))
+            value = getattr(self, f.name)
+            if scalar is None or value is None:
+                continue
+            setattr(self, f.name, _coerce(f.name, scalar[0], value))
+
+
+def _hints(cls) -> dict:
+    cached = cls.__dict__.get("_type_hints")
+    if cached is None:
+        cached = typing.get_type_hints(cls)
+        cls._type_hints = cached
+    return cached
+
+
+def _allows_none(cls, name: str) -> bool:
+    """Whether field ``name`` is annotated ``... | None`` (an explicit null then stays null)."""
+    hint = _hints(cls).get(name)
+    return hint is None or type(None) in typing.get_args(hint)
+
+
 class CausalLM(Layer):
     """Base of decoder-only language models built from a config dict.
 
-    Subclasses set ``architecture`` / ``model_type``, create their layers in ``_build()`` (from
-    ``self.config``), and implement ``forward(device, data, cache)``. Loading and saving go through
+    A subclass sets ``args_class`` (its ``ModelArgs``) and creates its layers in ``_build(args)``:
+    ``model`` (embedding to final norm, with ``embed_tokens`` and ``layers``) and, unless
+    ``tie_word_embeddings``, ``lm_head``; ``forward`` (``model``, then ``lm_head`` or the tied
+    embedding) is shared. A model laid out otherwise overrides ``backbone``, ``input_embeddings``
+    and ``decoder_layers``. Loading and saving go through
     ``rename_weight`` / ``transform_weight`` (checkpoint -> metalnn) and ``export_weights``
-    (metalnn -> checkpoint).
+    (metalnn -> checkpoint). `register` sets ``architecture`` and ``model_type``.
 
     Args:
         config: the Hugging Face style config dict (as in ``config.json``).
         seed: every random initial value derives from it (the same seed, the same model).
+    Raises:
+        UnsupportedConfigError: the config lacks a required key or holds a value metalnn cannot
+            honour (the message starts with the architecture).
     """
 
     architecture = ""
     model_type = ""
+    #: the architecture's ``ModelArgs`` dataclass
+    args_class: type[BaseModelArgs] = BaseModelArgs
     #: token ids `metalnn.generate` stops at by default; `load_pretrained` sets them from the
     #: checkpoint's tokenizer (empty: no default stop)
     eos_token_ids = frozenset()
@@ -58,16 +163,20 @@ class CausalLM(Layer):
     def __init__(self, config: dict, seed: int = 0):
         super().__init__()
         self._config = dict(config)
+        try:
+            self.args = self.args_class.from_dict(self._config)
+        except UnsupportedConfigError as e:
+            raise UnsupportedConfigError(f"{self.architecture or type(self).__name__}: {e}") from None
         with initializers.seeded(seed):
-            self._build()
+            self._build(self.args)
             self._materialize(seed)
 
-    def _build(self):  # pragma: no cover - abstract
+    def _build(self, args):  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__}._build")
 
     @property
     def config(self) -> dict:
-        """The Hugging Face style config dict the model was built from."""
+        """The Hugging Face style config dict the model was built from (written back by `save_pretrained`)."""
         return self._config
 
     # -- construction ------------------------------------------------------------------------
@@ -77,16 +186,39 @@ class CausalLM(Layer):
         dev = Device(kernels="reference", seed=seed)  # the dummy pass is never evaluated
         self.compile(dev, Data(mx.zeros((1, 1), dtype=mx.int32)))
 
+    # Hugging Face's common layout: ``model`` (a `DecoderStack`: ``embed_tokens``, ``layers``, ``norm``);
+    # an architecture laid out otherwise (GPT-2's ``transformer``) overrides these three.
     @property
-    def num_layers(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def backbone(self) -> Layer:
+        """The layer from token ids ``(W=T, H=1, D=B)`` to final hidden states ``(W=hidden, H=T, D=B)``."""
+        return self.model
+
+    @property
+    def input_embeddings(self) -> Layer:
+        """The token `Embedding` (the output head when ``tie_word_embeddings``)."""
+        return self.backbone.embed_tokens
+
+    @property
+    def decoder_layers(self) -> list:
+        """The decoder blocks, in order (one cache entry each)."""
+        return self.backbone.layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_layers)
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """Whether the output head is the transposed token embedding (no ``lm_head``)."""
+        return bool(self.args.tie_word_embeddings)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config["vocab_size"])
+        return int(self.args.vocab_size)
 
     @property
     def max_positions(self) -> int | None:
+        """The hard limit of positions (learned position embeddings); None for rotary models."""
         return None
 
     @property
@@ -95,15 +227,11 @@ class CausalLM(Layer):
         embeddings, else the config's ``max_position_embeddings`` (None when it does not say)."""
         limit = self.max_positions
         if limit is None:
-            limit = self.config.get("max_position_embeddings") or self.config.get("n_positions")
+            limit = getattr(self.args, "max_position_embeddings", None)
         return int(limit) if limit else None
 
-    @property
-    def eos_token_id(self):
-        return self.config.get("eos_token_id")
-
-    def make_cache(self):
-        """One empty `KVCache` per attention layer."""
+    def make_cache(self) -> list:
+        """One empty `KVCache` per decoder layer."""
         return [KVCache() for _ in range(self.num_layers)]
 
     # -- calling -----------------------------------------------------------------------------
@@ -123,6 +251,17 @@ class CausalLM(Layer):
         b, t = (1, tokens.shape[0]) if tokens.ndim == 1 else tokens.shape
         out = self.compile(device, Data(tokens.reshape(b, t)), cache=cache).array
         return out.reshape(t, -1) if tokens.ndim == 1 else out
+
+    def forward(self, device, data, cache=None):
+        """Token ids ``(W=T, H=1, D=B)`` -> logits ``(W=vocab, H=T, D=B)``."""
+        ids = self._token_batch(data)
+        b, t = ids.shape
+        self._check_positions(cache, t)
+        h = self.compile_child(self.backbone, device, Data(ids), cache=cache)
+        if self.tie_word_embeddings:
+            logits = self.input_embeddings.as_linear(h.array, device=device)
+            return Data(logits, MTLSize(self.vocab_size, t, b))
+        return self.compile_child(self.lm_head, device, h)
 
     def _token_batch(self, data: Data):
         """Token ids ``[B, T]`` from input `Data` (``(W=T, H=1, D=B)``, or ``(W=T, H=B, D=1)``)."""
@@ -144,7 +283,12 @@ class CausalLM(Layer):
 
     # -- weights -----------------------------------------------------------------------------
     def rename_weight(self, name: str):
-        """Checkpoint tensor name -> metalnn parameter name (None drops it)."""
+        """Checkpoint tensor name -> metalnn parameter name (None drops it): a tied model's
+        ``lm_head.weight`` and rotary ``inv_freq`` buffers are dropped."""
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        if name.endswith(".rotary_emb.inv_freq"):
+            return None
         return name
 
     def transform_weight(self, name: str, array):
@@ -186,6 +330,3 @@ class CausalLM(Layer):
         tmp.write_text(json.dumps(self.hf_config(), indent=2, sort_keys=True) + "\n")
         tmp.replace(path / "config.json")
         return path
-
-    def forward(self, device, data, cache=None):  # pragma: no cover - abstract
-        raise NotImplementedError

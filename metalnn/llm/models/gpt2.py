@@ -8,24 +8,56 @@ Parameter names equal Hugging Face's (``transformer.wte.weight``, ``transformer.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ... import functional as F
 from ... import init as initializers
-from ...data import Data, MTLSize
-from ...errors import UnsupportedConfigError
+from ...data import Data
 from ...layers.base import Layer
 from ...layers.attention import merge_heads, split_heads
 from ...layers.embedding import Embedding
 from ...layers.linear import Linear
 from ...layers.norm import LayerNorm
-from .base import CausalLM
+from .base import BaseModelArgs, CausalLM, refuse
+from .registry import register
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# Hugging Face GPT-2 activation names -> metalnn's (gelu_fast is GPT-2's tanh form with other constants)
-_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
-         "relu": "relu", "silu": "silu", "swish": "silu"}
+#: Hugging Face GPT-2 activation names -> metalnn's (gelu_fast is GPT-2's tanh form with other constants)
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
+               "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """The keys of a Hugging Face ``GPT2Config`` that metalnn reads (absent ones take these defaults).
+
+    ``n_inner`` defaults to ``4 * n_embd``; ``activation_function`` is one of `ACTIVATIONS`;
+    ``add_cross_attention`` (an encoder-decoder GPT-2) is refused.
+    """
+
+    vocab_size: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_positions: int = 1024
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    add_cross_attention: bool = False
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.add_cross_attention:
+            refuse("add_cross_attention", self.add_cross_attention, "false (GPT-2 without cross-attention)")
+        if self.activation_function not in ACTIVATIONS:
+            refuse("activation_function", self.activation_function, ", ".join(ACTIVATIONS))
+        self.n_inner = self.n_inner or 4 * self.n_embd
 
 
 class GPT2Attention(Layer):
@@ -122,9 +154,12 @@ class GPT2Block(Layer):
         return Data(x + h.array, data.dims)
 
 
-
 class GPT2Model(Layer):
-    """Token and position embeddings, blocks and final LayerNorm (``transformer.*`` in a checkpoint)."""
+    """Token and position embeddings, blocks and final LayerNorm (``transformer.*`` in a checkpoint).
+
+    Input: token ids ``(W=T, H=1, D=B)``; output: hidden states ``(W=n_embd, H=T, D=B)``. ``cache=``
+    holds one `KVCache` per block; its offset gives the positions of the new tokens.
+    """
 
     def __init__(self, vocab_size, n_positions, n_embd, blocks, eps, init_std=0.02):
         super().__init__()
@@ -144,57 +179,48 @@ class GPT2Model(Layer):
         return self.compile_child(self.ln_f, device, h)
 
 
+@register("GPT2LMHeadModel", model_types=("gpt2",))
 class GPT2LMHeadModel(CausalLM):
-    """GPT-2 built from a Hugging Face ``GPT2Config`` dict.
+    """GPT-2 built from a Hugging Face ``GPT2Config`` dict (`ModelArgs` lists the keys read).
 
-    Honoured config keys: ``vocab_size``, ``n_positions``, ``n_embd``, ``n_layer``, ``n_head``,
-    ``n_inner``, ``activation_function``, ``layer_norm_epsilon``, ``scale_attn_weights``,
-    ``scale_attn_by_inverse_layer_idx``, ``tie_word_embeddings`` (default True),
-    ``initializer_range``.
+    Input token ids ``[B, T]`` with ``T`` up to ``n_positions``, logits ``[B, T, vocab_size]``;
+    ``model.transformer`` is the `GPT2Model`.
+
+    Args: see `CausalLM` (``config``, ``seed``).
     """
 
-    architecture = "GPT2LMHeadModel"
-    model_type = "gpt2"
+    args_class = ModelArgs
 
-    def _build(self):
-        c = self.config
-        if c.get("add_cross_attention"):
-            raise UnsupportedConfigError("GPT-2 with cross-attention (add_cross_attention) is not supported")
-        n_embd, n_head = int(c["n_embd"]), int(c["n_head"])
-        act = c.get("activation_function", "gelu_new")
-        if act not in _ACTS:
-            raise UnsupportedConfigError(f"activation_function {act!r} is not supported")
-        inner = int(c.get("n_inner") or 4 * n_embd)
-        init = initializers.Normal(float(c.get("initializer_range", 0.02)))  # transformers' init
-        eps = float(c.get("layer_norm_epsilon", 1e-5))
+    def _build(self, args: ModelArgs):
+        init = initializers.Normal(args.initializer_range)  # transformers' init
+        head_dim = args.n_embd // args.n_head
         blocks = []
-        for i in range(int(c["n_layer"])):
-            scale = 1.0 / math.sqrt(n_embd // n_head) if c.get("scale_attn_weights", True) else 1.0
-            if c.get("scale_attn_by_inverse_layer_idx", False):
+        for i in range(args.n_layer):
+            scale = 1.0 / math.sqrt(head_dim) if args.scale_attn_weights else 1.0
+            if args.scale_attn_by_inverse_layer_idx:
                 scale /= float(i + 1)
-            blocks.append(GPT2Block(n_head, inner, eps=eps, scale=scale, activation=_ACTS[act], init=init))
-        self.tie_word_embeddings = bool(c.get("tie_word_embeddings", True))
-        self.transformer = GPT2Model(int(c["vocab_size"]), int(c.get("n_positions", 1024)), n_embd, blocks, eps,
-                                     float(c.get("initializer_range", 0.02)))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(int(c["vocab_size"]), bias=False, init=init)
+            blocks.append(GPT2Block(args.n_head, args.n_inner, eps=args.layer_norm_epsilon, scale=scale,
+                                    activation=ACTIVATIONS[args.activation_function], init=init))
+        self.transformer = GPT2Model(args.vocab_size, args.n_positions, args.n_embd, blocks, args.layer_norm_epsilon,
+                                     args.initializer_range)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
 
     @property
-    def num_layers(self):
-        return len(self.transformer.h)
+    def backbone(self):
+        return self.transformer
+
+    @property
+    def input_embeddings(self):
+        return self.transformer.wte
+
+    @property
+    def decoder_layers(self):
+        return self.transformer.h
 
     @property
     def max_positions(self):
-        return int(self.config.get("n_positions", 1024))
-
-    def forward(self, device, data, cache=None):
-        ids = self._token_batch(data)
-        b, t = ids.shape
-        self._check_positions(cache, t)
-        h = self.compile_child(self.transformer, device, Data(ids), cache=cache)
-        if self.tie_word_embeddings:
-            return Data(self.transformer.wte.as_linear(h.array, device=device), MTLSize(self.vocab_size, t, b))
-        return self.compile_child(self.lm_head, device, h)
+        return self.args.n_positions
 
     def rename_weight(self, name):
         if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):

@@ -1,14 +1,6 @@
-"""Pretrained language models: build from a Hugging Face folder, run, generate, save back.
-
->>> model = metalnn.llm.models.load_pretrained("path/to/folder")      # config.json + *.safetensors
->>> logits = model(mx.array([[1, 2, 3]]))                           # [1, 3, vocab]
->>> new = metalnn.generate(model, [1, 2, 3], max_new_tokens=20)     # greedy
->>> model.save_pretrained("out/")                                   # transformers can load it
-
-Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Qwen3NextForCausalLM`` and ``Qwen3_5ForCausalLM`` (also
-the text model of a ``Qwen3_5ForConditionalGeneration`` folder). Checkpoints: Hugging Face folders
-(float or MLX-quantized), GGUF files (`metalnn.llm.gguf.convert`) and Hub names (``"org/name"``).
+"""Building and loading models: `from_config` (random weights), `load_pretrained` (a Hugging Face
+folder, a GGUF file or a Hub name), `read_config` and `read_gguf`. Which class a config or a GGUF
+file builds comes from the registry (`metalnn.llm.models.registry.ARCHITECTURES`).
 """
 
 from __future__ import annotations
@@ -20,36 +12,22 @@ import mlx.core as mx
 
 from ... import quantization
 from ...errors import UnsupportedConfigError, WeightLoadError
+from ...weights import DictProvider, open_provider
+from ..gguf import convert as gguf_convert
 from ..gguf.reader import find_gguf
 from ..hub import MODEL_FILES, local_path
-from ...weights import DictProvider, open_provider
-from ..tokenizer import Tokenizer, char_tokenizer, gguf_eos_ids, load_tokenizer
-from ..gguf import convert as gguf
+from ..tokenizer import gguf_eos_ids, load_tokenizer
 from .base import DTYPES, CausalLM
-from .gpt2 import GPT2LMHeadModel
-from .llama import LlamaForCausalLM, llama_config
-from .mistral import MistralForCausalLM
-from .qwen2 import Qwen2ForCausalLM
-from .qwen3 import Qwen3ForCausalLM
-from .qwen3_5 import Qwen3_5ForCausalLM
-from .qwen3_next import Qwen3NextForCausalLM
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "GPT2LMHeadModel": GPT2LMHeadModel,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its text model
-}
-_MODEL_TYPES = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "qwen2": Qwen2ForCausalLM,
-                "qwen3": Qwen3ForCausalLM, "mistral": MistralForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
-                "qwen3_5_text": Qwen3_5ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
+from .registry import ARCHITECTURES, model_class
 
 
 def read_config(path) -> dict:
+    """The ``config.json`` of a Hugging Face folder (or the file itself) as a dict.
+
+    Raises:
+        FileNotFoundError: no config.json there.
+        UnsupportedConfigError: not valid JSON.
+    """
     path = Path(path)
     cfg_path = path / "config.json" if path.is_dir() else path
     if not cfg_path.exists():
@@ -60,21 +38,18 @@ def read_config(path) -> dict:
         raise UnsupportedConfigError(f"{cfg_path}: not valid JSON ({e})") from None
 
 
-def model_class(config: dict):
-    """The metalnn class for a config's ``architectures`` (or ``model_type``)."""
-    archs = config.get("architectures") or []
-    for arch in archs:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    if not archs and config.get("model_type") in _MODEL_TYPES:
-        return _MODEL_TYPES[config["model_type"]]
-    named = ", ".join(archs) if archs else f"model_type={config.get('model_type')!r}"
-    raise UnsupportedConfigError(f"unsupported architecture {named}; metalnn supports "
-                                 f"{', '.join(sorted(ARCHITECTURES))}")
+def read_gguf(path) -> gguf_convert.GGUFCheckpoint:
+    """A ``.gguf`` file as a Hugging Face style checkpoint (`metalnn.llm.gguf.convert.read_checkpoint`
+    with the converters of the registered architectures), its config naming the architecture it
+    builds (``architectures``, ``model_type``)."""
+    checkpoint = gguf_convert.read_checkpoint(path, ARCHITECTURES.gguf_converters())
+    entry = ARCHITECTURES.for_gguf(checkpoint.header.architecture)
+    checkpoint.config = {"architectures": [entry.names[0]], "model_type": entry.model_types[0], **checkpoint.config}
+    return checkpoint
 
 
 def from_config(config: dict, seed: int = 0, dtype=None) -> CausalLM:
-    """A randomly initialised model for a config dict."""
+    """A randomly initialised model for a config dict (``seed`` decides every initial value)."""
     model = model_class(config)(config, seed=seed)
     if dtype is not None:
         model.set_dtype(_as_dtype(dtype))
@@ -116,7 +91,7 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
     path = local_path(path, MODEL_FILES)
     gguf_file = find_gguf(path) if path.suffix == ".gguf" or not (path / "config.json").exists() else None
     if gguf_file is not None:
-        checkpoint = gguf.read_checkpoint(gguf_file)
+        checkpoint = read_gguf(gguf_file)
         config, source = checkpoint.config, gguf_file
         cls = model_class(config)
         model = cls(config)
@@ -155,9 +130,3 @@ def _checkpoint_eos(path, gguf_header) -> frozenset:
         return load_tokenizer(path).eos_token_ids
     except (FileNotFoundError, ValueError):
         return frozenset()
-
-
-__all__ = ["ARCHITECTURES", "CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-           "Qwen3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Tokenizer", "UnsupportedConfigError",
-           "char_tokenizer", "from_config", "gguf", "llama_config", "load_pretrained", "load_tokenizer", "model_class",
-           "read_config"]

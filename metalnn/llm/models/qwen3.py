@@ -1,28 +1,95 @@
-"""Qwen3 decoder (`Qwen3ForCausalLM`): Llama with a per-head RMSNorm on queries and keys and an
-explicit ``head_dim``.
+"""Qwen3 decoder (`Qwen3ForCausalLM`): the Llama block with a per-head RMSNorm on queries and keys and
+an explicit ``head_dim``.
 
 Parameter names equal Hugging Face's (``model.layers.<i>.self_attn.q_norm.weight`` ``[head_dim]``,
-...).
+...). GGUF files: ``qwen3`` (`metalnn.llm.gguf.converters.qwen3`).
 """
 
 from __future__ import annotations
 
-from .llama import LlamaForCausalLM
-from .qwen2 import sliding_windows
+from dataclasses import dataclass, field
+
+from ... import init as initializers
+from ...functional.activations import NAMES as ACTIVATIONS
+from ...layers.base import Layer
+from ...layers.linear import Linear
+from ...layers.transformer import TransformerBlock
+from ..gguf.converters.qwen3 import Qwen3Converter
+from .base import BaseModelArgs, CausalLM, refuse
+from .decoder import DecoderStack, sliding_windows
+from .registry import register
+from .rope import rope_options
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3 (dense) built from a Hugging Face ``Qwen3Config`` dict.
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """The keys of a Hugging Face ``Qwen3Config`` that metalnn reads (absent ones take these defaults).
 
-    As `LlamaForCausalLM`, plus: ``q_norm`` / ``k_norm`` on every attention layer (eps
-    ``rms_norm_eps``), ``head_dim`` (128 when absent, transformers' default), ``attention_bias`` on
-    all four projections, and the sliding-window keys of `Qwen2ForCausalLM`.
+    As Llama's, except: ``head_dim`` defaults to 128 (transformers' default), ``attention_bias`` puts
+    biases on all four projections, the MLP has none; the sliding-window keys are Qwen2's
+    (`sliding_windows`).
     """
 
-    architecture = "Qwen3ForCausalLM"
-    model_type = "qwen3"
-    gguf_architecture = "qwen3"
-    default_head_dim = 128
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    max_position_embeddings: int | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    layer_types: list | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 1.0
+    #: `SelfAttention`'s RoPE keywords and each layer's attention window (derived)
+    rope: dict = field(init=False, repr=False)
+    windows: list = field(init=False, repr=False)
 
-    def block_options(self, layer: int) -> dict:
-        return dict(super().block_options(layer), qk_norm=True, sliding_window=sliding_windows(self.config)[layer])
+    def __post_init__(self):
+        super().__post_init__()
+        if self.hidden_act not in ACTIVATIONS:
+            refuse("hidden_act", self.hidden_act, ", ".join(ACTIVATIONS))
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.rope = rope_options(self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                                 rope_parameters=self.rope_parameters, partial_rotary_factor=self.partial_rotary_factor)
+        self.windows = sliding_windows(self.num_hidden_layers, use_sliding_window=self.use_sliding_window,
+                                       sliding_window=self.sliding_window, max_window_layers=self.max_window_layers,
+                                       layer_types=self.layer_types)
+
+
+def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
+    """Decoder block ``layer``: the Llama block with q/k norms and that layer's attention window."""
+    return TransformerBlock(args.num_attention_heads, args.intermediate_size, num_kv_heads=args.num_key_value_heads,
+                            head_dim=args.head_dim, eps=args.rms_norm_eps, attention_bias=args.attention_bias,
+                            activation=args.hidden_act, qk_norm=True, sliding_window=args.windows[layer], init=init,
+                            **args.rope)
+
+
+@register("Qwen3ForCausalLM", model_types=("qwen3",), gguf=Qwen3Converter)
+class Qwen3ForCausalLM(CausalLM):
+    """Qwen3 (dense) built from a Hugging Face ``Qwen3Config`` dict (`ModelArgs` lists the keys read).
+
+    Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack`.
+
+    Args: see `CausalLM` (``config``, ``seed``).
+    """
+
+    args_class = ModelArgs
+
+    def _build(self, args: ModelArgs):
+        init = initializers.Normal(args.initializer_range)  # transformers' init
+        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
+        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
+                                  init_std=args.initializer_range)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.vocab_size, bias=False, init=init)

@@ -1,25 +1,100 @@
-"""Qwen3.5 text model (`Qwen3_5ForCausalLM`): the Qwen3-Next hybrid (Gated DeltaNet and gated full
-attention, zero-centred RMSNorms) with dense SwiGLU feed-forward blocks and Qwen3.5's separate
-linear-attention input projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``).
+"""Qwen3.5 text model (`Qwen3_5ForCausalLM`): a hybrid of Gated DeltaNet linear-attention layers and
+gated full-attention layers (zero-centred RMSNorms) with dense SwiGLU feed-forward blocks.
+
+Each decoder layer is a `DecoderBlock` whose token mixer is chosen by ``layer_types``:
+
+* ``linear_attention``: `GatedDeltaNet` with Qwen3.5's separate input projections
+  (``model.layers.<i>.linear_attn.in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``conv1d``,
+  ``A_log``, ``dt_bias``, ``norm``, ``out_proj``);
+* ``full_attention``: `SelfAttention` (``self_attn.*``) with q/k RMSNorm, partial rotary embeddings
+  (``partial_rotary_factor``, 0.25 by default) and an output gate from a doubled ``q_proj``.
 
 It reads a ``qwen3_5_text`` config, or the ``text_config`` of a ``qwen3_5`` folder
-(``Qwen3_5ForConditionalGeneration``): the language model's tensors
-(``model.language_model.*``) load as ``model.*``; the vision tower (``model.visual.*``) and the
-multi-token-prediction tensors (``mtp.*``) are not used. `save_pretrained` writes a text-only
-``Qwen3_5ForCausalLM`` folder.
+(``Qwen3_5ForConditionalGeneration``): the language model's tensors (``model.language_model.*``) load
+as ``model.*``; the vision tower (``model.visual.*``) and the multi-token-prediction tensors
+(``mtp.*``) are not used. `save_pretrained` writes a text-only ``Qwen3_5ForCausalLM`` folder. GGUF
+files: ``qwen35`` (`metalnn.llm.gguf.converters.qwen35`).
+
+Caches: a `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer.
 """
 
 from __future__ import annotations
 
-from .qwen3_next import Qwen3NextForCausalLM
+from dataclasses import dataclass, field
+
+from ... import init as initializers
+from ...functional.activations import NAMES as ACTIVATIONS
+from ...layers.base import Layer
+from ...layers.linear import Linear
+from ...layers.mlp import SwiGLU
+from ...layers.transformer import DecoderBlock
+from ..gguf.converters.qwen35 import Qwen35Converter
+from .base import BaseModelArgs, CausalLM, refuse
+from .decoder import DecoderStack
+from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
+                     hybrid_layer_types)
+from .registry import register
+from .rope import rope_options
 
 _LANGUAGE_MODEL = "model.language_model."
 
 
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """The keys of a Hugging Face ``Qwen3_5TextConfig`` that metalnn reads (absent ones take
+    transformers' defaults, except the linear-attention sizes, which a model with linear-attention
+    layers must give).
+
+    ``layer_types`` (``linear_attention`` / ``full_attention``; when absent every
+    ``full_attention_interval``-th layer is full attention); the Gated DeltaNet sizes
+    ``linear_num_key_heads``, ``linear_num_value_heads`` (a multiple of the key heads),
+    ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``; every
+    feed-forward block is a `SwiGLU` of ``intermediate_size``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    max_position_embeddings: int | None = None
+    layer_types: list | None = None
+    full_attention_interval: int = 4
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int = 4
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 0.25
+    #: `SelfAttention`'s RoPE keywords and each layer's kind (derived)
+    rope: dict = field(init=False, repr=False)
+    kinds: list = field(init=False, repr=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.hidden_act not in ACTIVATIONS:
+            refuse("hidden_act", self.hidden_act, ", ".join(ACTIVATIONS))
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.kinds = hybrid_layer_types(self.num_hidden_layers, self.layer_types, self.full_attention_interval)
+        check_linear_sizes(self, self.kinds)
+        self.rope = rope_options(self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                                 rope_parameters=self.rope_parameters, partial_rotary_factor=self.partial_rotary_factor)
+
+
 def text_config(config: dict) -> dict:
-    """The text model's config: ``config["text_config"]`` for a multimodal ``qwen3_5`` config
-    (with the top level's ``tie_word_embeddings``, which decides the tying there, as in
-    transformers), else ``config``."""
+    """The text model's config: ``config["text_config"]`` for a multimodal ``qwen3_5`` config (with the
+    top level's ``tie_word_embeddings``, which decides the tying there, as in transformers), else
+    ``config``."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         return dict(config)
@@ -30,28 +105,57 @@ def text_config(config: dict) -> dict:
     return out
 
 
-class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
-    """Qwen3.5 (dense text model) built from a Hugging Face ``Qwen3_5TextConfig`` dict, or from a
-    ``Qwen3_5Config`` whose ``text_config`` holds it.
+def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
+    """Decoder block ``layer``: its mixer (``linear_attn`` or ``self_attn``) and a `SwiGLU` between
+    zero-centred RMSNorms."""
+    if args.kinds[layer] == "linear_attention":
+        mixer, name = gated_deltanet(args, separate_projections=True, init=init), "linear_attn"
+    else:
+        mixer = gated_attention(num_heads=args.num_attention_heads, num_kv_heads=args.num_key_value_heads,
+                                head_dim=args.head_dim, rope=args.rope, bias=args.attention_bias,
+                                eps=args.rms_norm_eps, init=init)
+        name = "self_attn"
+    mlp = SwiGLU(args.intermediate_size, activation=args.hidden_act, init=init, init_out=init)
+    return DecoderBlock(mixer, mlp, mixer_name=name, eps=args.rms_norm_eps, norm_offset=NORM_OFFSET)
 
-    Config keys: those of `Qwen3NextForCausalLM` except the mixture-of-experts ones; every
-    feed-forward block is a `SwiGLU` of ``intermediate_size``.
+
+@register("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", model_types=("qwen3_5_text", "qwen3_5"),
+          gguf=Qwen35Converter)
+class Qwen3_5ForCausalLM(CausalLM):
+    """Qwen3.5 (dense text model) built from a Hugging Face ``Qwen3_5TextConfig`` dict, or from a
+    ``Qwen3_5Config`` whose ``text_config`` holds it (`ModelArgs` lists the keys read).
+
+    Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack`
+    of `DecoderBlock` s.
+
+    Args: see `CausalLM` (``config``, ``seed``).
     """
 
-    architecture = "Qwen3_5ForCausalLM"
-    model_type = "qwen3_5_text"
-    gguf_architecture = "qwen35"
-    separate_projections = True
+    args_class = ModelArgs
 
     def __init__(self, config: dict, seed: int = 0):
         super().__init__(text_config(config), seed=seed)
 
-    def is_sparse(self, layer: int) -> bool:
-        return False
+    def _build(self, args: ModelArgs):
+        init = initializers.Normal(args.initializer_range)  # transformers' init
+        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
+        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
+                                  init_std=args.initializer_range, norm_offset=NORM_OFFSET)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+
+    @property
+    def layer_kinds(self) -> list:
+        """``linear_attention`` / ``full_attention`` per layer."""
+        return list(self.args.kinds)
+
+    def make_cache(self) -> list:
+        """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
+        return hybrid_caches(self.args.kinds)
 
     def rename_weight(self, name):
         if name.startswith(_LANGUAGE_MODEL):
             name = "model." + name[len(_LANGUAGE_MODEL):]
-        elif name.startswith(("model.visual.", "visual.")):
+        elif name.startswith(("model.visual.", "visual.", "mtp.")):
             return None
         return super().rename_weight(name)

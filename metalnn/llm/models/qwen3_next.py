@@ -16,7 +16,7 @@ The feed-forward block of layer ``i`` is a `SparseMoE` (``mlp.gate``, ``mlp.expe
 
 Checkpoints store each expert separately (``mlp.experts.<e>.gate_proj.weight``, ...): they are
 stacked on load and split again by `save_pretrained`; multi-token-prediction tensors (``mtp.*``) are
-not used and dropped.
+not used and dropped. GGUF files: ``qwen3next`` (`metalnn.llm.gguf.converters.qwen3next`).
 
 Caches: `make_cache` gives a `GatedDeltaCache` (convolution tail and recurrent state) for each
 linear-attention layer and a `KVCache` for each full-attention layer; the prompt runs the chunked
@@ -25,39 +25,123 @@ gated delta rule, each decoded token one recurrent step.
 
 from __future__ import annotations
 
-from ...errors import UnsupportedConfigError
+from dataclasses import dataclass, field
+
+from ... import init as initializers
+from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.base import Layer
-from ...layers.attention import KVCache, SelfAttention
-from ...layers.gated_deltanet import GatedDeltaCache, GatedDeltaNet
+from ...layers.linear import Linear
 from ...layers.mlp import SwiGLU
 from ...layers.moe import SparseMoE, load_balancing_loss
 from ...layers.transformer import DecoderBlock
+from ..gguf.converters.qwen3next import Qwen3NextConverter
+from .base import BaseModelArgs, CausalLM, refuse
+from .decoder import DecoderStack
 from .experts import StackedExpertsProvider, split_experts
-from .llama import LlamaForCausalLM, layer_types, rope_settings
-
-HYBRID = ("linear_attention", "full_attention")
-
-
-def hybrid_layer_types(config: dict) -> list:
-    """``layer_types`` of a hybrid config; when absent, every ``full_attention_interval``-th layer
-    (default 4) is full attention and the others linear attention, as transformers fills it in."""
-    if config.get("layer_types") is None:
-        every = int(config.get("full_attention_interval", 4))
-        return ["linear_attention" if (i + 1) % every else "full_attention"
-                for i in range(int(config["num_hidden_layers"]))]
-    return layer_types(config, HYBRID, "full_attention")
+from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
+                     hybrid_layer_types)
+from .registry import register
+from .rope import rope_options
 
 
-class Qwen3NextForCausalLM(LlamaForCausalLM):
-    """Qwen3-Next built from a Hugging Face ``Qwen3NextConfig`` dict.
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """The keys of a Hugging Face ``Qwen3NextConfig`` that metalnn reads (absent ones take
+    transformers' defaults, except the linear-attention sizes, which a model with linear-attention
+    layers must give).
 
-    Config keys read beyond Llama's: ``layer_types`` (``linear_attention`` / ``full_attention``) or
-    ``full_attention_interval``, ``head_dim`` (256 when absent), ``partial_rotary_factor``,
-    ``linear_num_key_heads``, ``linear_num_value_heads``, ``linear_key_head_dim``,
-    ``linear_value_head_dim``, ``linear_conv_kernel_dim``, ``num_experts``, ``num_experts_per_tok``,
-    ``moe_intermediate_size``, ``shared_expert_intermediate_size``, ``norm_topk_prob``,
-    ``decoder_sparse_step``, ``mlp_only_layers``, ``output_router_logits`` (keep the router logits
-    of each call for `aux_loss`), ``router_aux_loss_coef``. Absent keys take transformers' defaults.
+    ``layer_types`` (``linear_attention`` / ``full_attention``; when absent every
+    ``full_attention_interval``-th layer is full attention); the Gated DeltaNet sizes
+    ``linear_num_key_heads``, ``linear_num_value_heads`` (a multiple of the key heads),
+    ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``; the experts
+    ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``shared_expert_intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step``,
+    ``mlp_only_layers``; ``output_router_logits`` (keep the router logits of each call for
+    `Qwen3NextForCausalLM.aux_loss`) and ``router_aux_loss_coef`` (its weight in a training loss).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    max_position_embeddings: int | None = None
+    layer_types: list | None = None
+    full_attention_interval: int = 4
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 512
+    num_experts_per_tok: int = 10
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list | None = None
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 0.25
+    #: `SelfAttention`'s RoPE keywords and each layer's kind (derived)
+    rope: dict = field(init=False, repr=False)
+    kinds: list = field(init=False, repr=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.hidden_act not in ACTIVATIONS:
+            refuse("hidden_act", self.hidden_act, ", ".join(ACTIVATIONS))
+        if self.decoder_sparse_step <= 0:
+            refuse("decoder_sparse_step", self.decoder_sparse_step, "a positive integer")
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.mlp_only_layers = list(self.mlp_only_layers or [])
+        self.kinds = hybrid_layer_types(self.num_hidden_layers, self.layer_types, self.full_attention_interval)
+        check_linear_sizes(self, self.kinds)
+        self.rope = rope_options(self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                                 rope_parameters=self.rope_parameters, partial_rotary_factor=self.partial_rotary_factor)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s feed-forward block is a `SparseMoE`."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
+    """Decoder block ``layer``: its mixer (``linear_attn`` or ``self_attn``) and its feed-forward
+    (`SparseMoE` or `SwiGLU`) between zero-centred RMSNorms."""
+    if args.kinds[layer] == "linear_attention":
+        mixer, name = gated_deltanet(args, separate_projections=False, init=init), "linear_attn"
+    else:
+        mixer = gated_attention(num_heads=args.num_attention_heads, num_kv_heads=args.num_key_value_heads,
+                                head_dim=args.head_dim, rope=args.rope, bias=args.attention_bias,
+                                eps=args.rms_norm_eps, init=init)
+        name = "self_attn"
+    if args.is_sparse(layer):
+        mlp = SparseMoE(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+                        norm_topk_prob=args.norm_topk_prob,
+                        shared_expert_dims=args.shared_expert_intermediate_size or None, activation=args.hidden_act,
+                        record_router_logits=args.output_router_logits, init=init)
+    else:
+        mlp = SwiGLU(args.intermediate_size, activation=args.hidden_act, init=init, init_out=init)
+    return DecoderBlock(mixer, mlp, mixer_name=name, eps=args.rms_norm_eps, norm_offset=NORM_OFFSET)
+
+
+@register("Qwen3NextForCausalLM", model_types=("qwen3_next",), gguf=Qwen3NextConverter)
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3-Next built from a Hugging Face ``Qwen3NextConfig`` dict (`ModelArgs` lists the keys read).
+
+    Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack`
+    of `DecoderBlock` s.
 
     Training with the auxiliary load-balancing loss::
 
@@ -65,29 +149,31 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         def loss_fn(model, batch, device):
             logits = model(batch[:, :-1], device=device)
             ce = metalnn.losses.cross_entropy(logits, batch[:, 1:])
-            return ce + model.config.get("router_aux_loss_coef", 0.001) * model.aux_loss()
+            return ce + model.args.router_aux_loss_coef * model.aux_loss()
+
+    Args: see `CausalLM` (``config``, ``seed``).
     """
 
-    architecture = "Qwen3NextForCausalLM"
-    model_type = "qwen3_next"
-    gguf_architecture = "qwen3next"
-    default_head_dim = 256
-    norm_offset = 1.0
-    #: Qwen3.5's four linear-attention input projections instead of the grouped two
-    separate_projections = False
-    #: transformers' defaults for the mixture-of-experts keys
-    moe_defaults = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
-                        shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True)
+    args_class = ModelArgs
 
-    def __init__(self, config: dict, seed: int = 0):
-        super().__init__(config, seed)
-        self.output_router_logits = bool(self.config.get("output_router_logits", False))
+    def _build(self, args: ModelArgs):
+        init = initializers.Normal(args.initializer_range)  # transformers' init
+        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
+        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
+                                  init_std=args.initializer_range, norm_offset=NORM_OFFSET)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
 
     @property
     def layer_kinds(self) -> list:
         """``linear_attention`` / ``full_attention`` per layer."""
-        return hybrid_layer_types(self.config)
+        return list(self.args.kinds)
 
+    def make_cache(self) -> list:
+        """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
+        return hybrid_caches(self.args.kinds)
+
+    # -- the router's auxiliary loss ---------------------------------------------------------------
     @property
     def output_router_logits(self) -> bool:
         """Keep each MoE layer's router logits of the most recent call (for `aux_loss`)."""
@@ -99,71 +185,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         for moe in self.moe_layers():
             moe.record_router_logits = bool(value)
             moe.forget_router_logits()
-
-    # -- construction ------------------------------------------------------------------------
-    def attention_options(self) -> dict:
-        c = dict(self.config)
-        params = c.get("rope_parameters") or {}
-        if "partial_rotary_factor" not in params and "partial_rotary_factor" not in c:
-            c["partial_rotary_factor"] = 0.25  # transformers' default for these models
-        n_heads = int(c["num_attention_heads"])
-        return dict(num_heads=n_heads, num_kv_heads=int(c.get("num_key_value_heads") or n_heads),
-                    head_dim=self.head_dim, init=self.init, **rope_settings(c, self.head_dim))
-
-    def full_attention(self, layer: int) -> Layer:
-        c = self.config
-        return SelfAttention(**self.attention_options(), bias=bool(c.get("attention_bias", False)), qk_norm=True,
-                             output_gate=True, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                             norm_offset=self.norm_offset)
-
-    def linear_attention(self, layer: int) -> Layer:
-        c = self.config
-        try:
-            return GatedDeltaNet(int(c["linear_num_key_heads"]), num_v_heads=int(c["linear_num_value_heads"]),
-                                 head_k_dim=int(c["linear_key_head_dim"]),
-                                 head_v_dim=int(c["linear_value_head_dim"]),
-                                 conv_kernel=int(c.get("linear_conv_kernel_dim", 4)),
-                                 eps=float(c.get("rms_norm_eps", 1e-6)),
-                                 separate_projections=self.separate_projections, activation=c.get("hidden_act", "silu"),
-                                 init=self.init)
-        except KeyError as e:
-            raise UnsupportedConfigError(f"{self.architecture}: the config has linear_attention layers but no "
-                                         f"{e.args[0]}") from None
-        except ValueError as e:
-            raise UnsupportedConfigError(f"{self.architecture}: linear_num_key_heads / linear_num_value_heads: "
-                                         f"{e}") from None
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether layer ``layer``'s feed-forward block is a `SparseMoE`."""
-        c, d = self.config, self.moe_defaults
-        experts = int(c.get("num_experts", d["num_experts"]))
-        step = int(c.get("decoder_sparse_step", d["decoder_sparse_step"]))
-        return experts > 0 and layer not in (c.get("mlp_only_layers") or []) and (layer + 1) % step == 0
-
-    def feed_forward(self, layer: int) -> Layer:
-        c, d = self.config, self.moe_defaults
-        act = c.get("hidden_act", "silu")
-        if not self.is_sparse(layer):
-            return SwiGLU(int(c["intermediate_size"]), activation=act, init=self.init, init_out=self.init)
-        get = lambda key: c.get(key, d[key])  # noqa: E731
-        return SparseMoE(int(get("num_experts")), int(get("num_experts_per_tok")), int(get("moe_intermediate_size")),
-                         norm_topk_prob=bool(get("norm_topk_prob")),
-                         shared_expert_dims=int(get("shared_expert_intermediate_size")) or None, activation=act,
-                         init=self.init)
-
-    def decoder_layer(self, layer: int) -> Layer:
-        kind = hybrid_layer_types(self.config)[layer]
-        if kind == "linear_attention":
-            mixer, name = self.linear_attention(layer), "linear_attn"
-        else:
-            mixer, name = self.full_attention(layer), "self_attn"
-        return DecoderBlock(mixer, self.feed_forward(layer), mixer_name=name,
-                            eps=float(self.config.get("rms_norm_eps", 1e-6)), norm_offset=self.norm_offset)
-
-    # -- caches and the auxiliary loss -------------------------------------------------------
-    def make_cache(self):
-        """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
-        return [GatedDeltaCache() if kind == "linear_attention" else KVCache() for kind in self.layer_kinds]
 
     def moe_layers(self) -> list:
         return [block.mlp for block in self.model.layers if isinstance(block.mlp, SparseMoE)]
@@ -181,14 +202,12 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         if not logits:
             raise ValueError(f"{self.architecture}.aux_loss: no router logits; set model.output_router_logits = "
                              "True and run the model first")
-        c, d = self.config, self.moe_defaults
-        loss = load_balancing_loss(logits, int(c.get("num_experts", d["num_experts"])),
-                                   int(c.get("num_experts_per_tok", d["num_experts_per_tok"])))
+        loss = load_balancing_loss(logits, self.args.num_experts, self.args.num_experts_per_tok)
         for moe in self.moe_layers():
             moe.forget_router_logits()
         return loss
 
-    # -- weights -----------------------------------------------------------------------------
+    # -- weights -----------------------------------------------------------------------------------
     def rename_weight(self, name):
         if name.startswith("mtp."):
             return None

@@ -20,8 +20,7 @@ from gguf import GGMLQuantizationType as Q
 import gguf_files as G
 import metalnn as mn
 from metalnn.llm.chat_template import ChatTemplateError
-from metalnn.llm.gguf import convert as mgguf
-from metalnn.llm.models import load_pretrained, load_tokenizer
+from metalnn.llm.models import load_pretrained, load_tokenizer, read_gguf
 
 transformers.logging.set_verbosity_error()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -110,7 +109,7 @@ def test_tensor_names_values_and_config_match_transformers(files, arch):
     dict, for every architecture in the table (Qwen models need no metalnn class for this)."""
     folder, file = files[arch]
     hf = _hf(folder, file)
-    ck = mgguf.read_checkpoint(folder / file)
+    ck = read_gguf(folder / file)
     q = ck.config.get("quantization", {})
     ours = {}
     for name, a in ck.tensors.items():

@@ -27,7 +27,7 @@ from gguf import GGUFValueType as V
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError, WeightLoadError
 from metalnn.llm.models import load_pretrained
-from metalnn.llm.gguf.convert import grouped_order
+from metalnn.llm.gguf.converters.qwen35 import grouped_order
 
 from gguf_hybrid_files import quantizable, reorder_v_heads, write
 from hf_models import hf_greedy, hf_logits, hf_model, max_error, small_chunks, tokens
@@ -92,7 +92,7 @@ def test_greedy_generation_matches_transformers(arch, float_files):
 
 def test_config_read_from_the_metadata(float_files):
     _, path = float_files["qwen3next"]
-    cfg = mn.llm.gguf.convert.read_checkpoint(path).config
+    cfg = mn.models.read_gguf(path).config
     want = dict(layer_types=["linear_attention", "full_attention", "linear_attention"], partial_rotary_factor=0.5,
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
                 linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

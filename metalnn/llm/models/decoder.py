@@ -1,0 +1,74 @@
+"""Shared pieces of the RMSNorm decoder families (Llama, Mistral, Qwen2, Qwen3, Qwen3-Next, Qwen3.5):
+the `DecoderStack` (embedding, blocks, final norm: the ``model.*`` of their checkpoints) and the
+per-layer plans their configs describe (`check_layer_types`, `sliding_windows`).
+"""
+
+from __future__ import annotations
+
+from ... import init as initializers
+from ...errors import UnsupportedConfigError
+from ...layers.base import Layer
+from ...layers.embedding import Embedding
+from ...layers.norm import RMSNorm
+from .base import refuse
+
+#: Qwen2 / Qwen3 ``layer_types`` entries
+SLIDING = ("full_attention", "sliding_attention")
+
+
+class DecoderStack(Layer):
+    """Token embedding, decoder blocks and final RMSNorm (``model.embed_tokens``, ``model.layers.<i>``,
+    ``model.norm`` in a checkpoint).
+
+    Input: token ids ``(W=T, H=1, D=B)``; output: hidden states ``(W=hidden_size, H=T, D=B)``.
+    ``cache=`` is a list with one entry per block (each block gets its own).
+
+    Args:
+        vocab_size, hidden_size: embedding table size and width.
+        layers: the decoder blocks (each called as ``block.compile(device, h, cache=...)``).
+        eps: epsilon of the final RMSNorm.
+        init_std: std of the embedding initialisation.
+        norm_offset: gain offset of the final RMSNorm (1 for zero-centred gains; see `RMSNorm`).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list, *, eps: float, init_std: float = 0.02,
+                 norm_offset: float = 0.0):
+        super().__init__()
+        self.embed_tokens = Embedding(vocab_size, hidden_size, init=initializers.Normal(init_std))
+        self.layers = list(layers)
+        self.norm = RMSNorm(hidden_size, eps=eps, offset=norm_offset)
+
+    def forward(self, device, data, cache=None):
+        h = self.compile_child(self.embed_tokens, device, data)
+        for i, layer in enumerate(self.layers):
+            h = self.compile_child(layer, device, h, cache=cache[i] if cache is not None else None)
+        return self.compile_child(self.norm, device, h)
+
+
+def check_layer_types(layer_types, num_hidden_layers: int, allowed: tuple) -> list:
+    """``layer_types`` (one entry per layer) checked against ``allowed``.
+
+    Raises:
+        UnsupportedConfigError: not a list of ``num_hidden_layers`` entries, or an entry outside ``allowed``.
+    """
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_hidden_layers:
+        raise UnsupportedConfigError(f"layer_types must list one entry per layer (num_hidden_layers="
+                                     f"{num_hidden_layers}), got {layer_types!r}")
+    for i, kind in enumerate(layer_types):
+        if kind not in allowed:
+            refuse(f"layer_types[{i}]", kind, ", ".join(allowed))
+    return list(layer_types)
+
+
+def sliding_windows(num_hidden_layers: int, *, use_sliding_window: bool, sliding_window: int | None,
+                    max_window_layers: int, layer_types: list | None) -> list:
+    """Per layer: the attention window or None, as transformers' Qwen2 / Qwen3 configs decide it: only
+    when ``use_sliding_window`` is set, on the layers ``layer_types`` marks ``sliding_attention`` (by
+    default those from ``max_window_layers`` on)."""
+    window = sliding_window if use_sliding_window else None
+    if layer_types is None:
+        types = ["sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
+                 for i in range(num_hidden_layers)]
+    else:
+        types = check_layer_types(layer_types, num_hidden_layers, SLIDING)
+    return [window if window is not None and kind == "sliding_attention" else None for kind in types]

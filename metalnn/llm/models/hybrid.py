@@ -1,0 +1,68 @@
+"""Shared pieces of the hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5): which layers are linear
+attention, the two token mixers, the per-layer caches and the checks of the linear-attention sizes.
+
+Both architectures use zero-centred RMSNorms (gain ``1 + weight``, `NORM_OFFSET`) everywhere except
+the gated norm inside `GatedDeltaNet`.
+"""
+
+from __future__ import annotations
+
+from ...errors import UnsupportedConfigError
+from ...layers.attention import KVCache, SelfAttention
+from ...layers.base import Layer
+from ...layers.gated_deltanet import GatedDeltaCache, GatedDeltaNet
+from .base import refuse
+from .decoder import check_layer_types
+
+HYBRID = ("linear_attention", "full_attention")
+#: gain offset of every RMSNorm of these models (zero-centred gains)
+NORM_OFFSET = 1.0
+#: the config keys of the linear-attention layers (required when the model has any)
+LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
+
+def hybrid_layer_types(num_hidden_layers: int, layer_types: list | None, full_attention_interval: int) -> list:
+    """``linear_attention`` / ``full_attention`` per layer: ``layer_types`` checked, or when absent every
+    ``full_attention_interval``-th layer full attention and the others linear attention, as transformers
+    fills it in."""
+    if layer_types is None:
+        if full_attention_interval <= 0:
+            refuse("full_attention_interval", full_attention_interval, "a positive integer")
+        return ["linear_attention" if (i + 1) % full_attention_interval else "full_attention"
+                for i in range(num_hidden_layers)]
+    return check_layer_types(layer_types, num_hidden_layers, HYBRID)
+
+
+def check_linear_sizes(args, kinds: list):
+    """Refuse a config with linear-attention layers whose sizes are absent or do not fit together
+    (``args`` has the `LINEAR_KEYS` fields)."""
+    if "linear_attention" not in kinds:
+        return
+    for key in LINEAR_KEYS:
+        if getattr(args, key) is None:
+            raise UnsupportedConfigError(f"the config has linear_attention layers but no {key}")
+    nk, nv = args.linear_num_key_heads, args.linear_num_value_heads
+    if nk <= 0 or nv <= 0 or nv % nk:
+        refuse("linear_num_value_heads", nv, f"a positive multiple of linear_num_key_heads = {nk}")
+
+
+def gated_attention(*, num_heads: int, num_kv_heads: int, head_dim: int, rope: dict, bias: bool, eps: float,
+                    init) -> Layer:
+    """The full-attention mixer: `SelfAttention` with zero-centred q/k RMSNorms, partial rotary
+    embeddings (``rope``: `rope_options`) and an output gate from a doubled ``q_proj``."""
+    return SelfAttention(num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias, qk_norm=True,
+                         output_gate=True, norm_eps=eps, norm_offset=NORM_OFFSET, init=init, **rope)
+
+
+def gated_deltanet(args, *, separate_projections: bool, init) -> Layer:
+    """The linear-attention mixer of ``args`` (a hybrid ``ModelArgs``): a `GatedDeltaNet` with grouped
+    (Qwen3-Next) or ``separate_projections`` (Qwen3.5) input projections."""
+    return GatedDeltaNet(args.linear_num_key_heads, num_v_heads=args.linear_num_value_heads,
+                         head_k_dim=args.linear_key_head_dim, head_v_dim=args.linear_value_head_dim,
+                         conv_kernel=args.linear_conv_kernel_dim, eps=args.rms_norm_eps,
+                         separate_projections=separate_projections, activation=args.hidden_act, init=init)
+
+
+def hybrid_caches(kinds: list) -> list:
+    """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
+    return [GatedDeltaCache() if kind == "linear_attention" else KVCache() for kind in kinds]

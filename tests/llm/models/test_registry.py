@@ -1,0 +1,136 @@
+"""The registry of architectures (one, keyed by Hugging Face architecture, model_type and GGUF architecture)
+and the typed ModelArgs of each architecture (unknown keys ignored, defaults declared once, unsupported values
+refused naming the field, the value and what is supported)."""
+
+import dataclasses
+
+import pytest
+
+import metalnn as mn
+from metalnn.errors import UnsupportedConfigError
+from metalnn.llm.models import ARCHITECTURES, CausalLM, gpt2, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_next
+from metalnn.llm.models.registry import Registry, register
+
+LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+HYBRID = dict(LLAMA, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+              layer_types=["linear_attention", "full_attention", "linear_attention"], num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=12)
+
+
+def _config(module) -> dict:
+    """A valid config for ``module``'s ModelArgs."""
+    if module is gpt2:
+        return dict(vocab_size=40, n_embd=32, n_layer=2, n_head=4)
+    if module in (qwen3_next, qwen3_5):
+        return dict(HYBRID)
+    return dict(LLAMA, sliding_window=4)
+
+
+def test_one_registry_keyed_three_ways():
+    names = {"LlamaForCausalLM": mn.models.LlamaForCausalLM, "GPT2LMHeadModel": mn.models.GPT2LMHeadModel,
+             "Qwen2ForCausalLM": mn.models.Qwen2ForCausalLM, "Qwen3ForCausalLM": mn.models.Qwen3ForCausalLM,
+             "MistralForCausalLM": mn.models.MistralForCausalLM,
+             "Qwen3NextForCausalLM": mn.models.Qwen3NextForCausalLM,
+             "Qwen3_5ForCausalLM": mn.models.Qwen3_5ForCausalLM,
+             "Qwen3_5ForConditionalGeneration": mn.models.Qwen3_5ForCausalLM}
+    assert dict(ARCHITECTURES) == names
+    types = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+             "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
+    for model_type, name in types.items():
+        assert ARCHITECTURES.for_model_type(model_type).model is names[name]
+        assert mn.models.model_class({"model_type": model_type}) is names[name]
+    ggufs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
+    assert set(ARCHITECTURES.gguf_converters()) == set(ggufs)
+    for arch, name in ggufs.items():
+        entry = ARCHITECTURES.for_gguf(arch)
+        assert entry.model is names[name] and entry.gguf.architecture == arch
+    # the first name and model type are what save_pretrained writes
+    assert (mn.models.Qwen3_5ForCausalLM.architecture, mn.models.Qwen3_5ForCausalLM.model_type) == \
+        ("Qwen3_5ForCausalLM", "qwen3_5_text")
+    with pytest.raises(UnsupportedConfigError, match="unsupported architecture BertModel; metalnn supports GPT2"):
+        mn.models.model_class({"architectures": ["BertModel"]})
+
+
+def test_register_refuses_a_taken_key_and_a_class_without_model_args():
+    registry = Registry()
+
+    @dataclasses.dataclass
+    class ModelArgs(mn.models.BaseModelArgs):
+        vocab_size: int
+
+    class Foo(CausalLM):
+        args_class = ModelArgs
+
+    register("FooForCausalLM", model_types=("foo",), registry=registry)(Foo)
+    assert registry["FooForCausalLM"] is Foo and Foo.architecture == "FooForCausalLM"
+
+    class Bar(CausalLM):
+        args_class = ModelArgs
+
+    with pytest.raises(ValueError, match="already registered: model_type 'foo'"):
+        register("BarForCausalLM", model_types=("foo",), registry=registry)(Bar)
+    with pytest.raises(ValueError, match="already registered: class Foo"):
+        register("Foo2ForCausalLM", model_types=("foo2",), registry=registry)(Foo)
+
+    class NoArgs(CausalLM):
+        pass
+
+    with pytest.raises(TypeError, match="args_class"):
+        register("NoArgsForCausalLM", model_types=("none",), registry=registry)(NoArgs)
+    assert list(registry) == ["FooForCausalLM"]
+
+
+@pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5])
+def test_model_args_ignore_unknown_keys_and_name_missing_ones(module):
+    required = [f.name for f in dataclasses.fields(module.ModelArgs)
+                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    config = _config(module)
+    args = module.ModelArgs.from_dict(dict(config, some_key_nobody_reads=1, architectures=["X"]))
+    assert not hasattr(args, "some_key_nobody_reads")
+    with pytest.raises(UnsupportedConfigError, match=f"lacks {required[1]}, {required[2]} \\(required\\)"):
+        module.ModelArgs.from_dict({k: v for k, v in config.items() if k not in required[1:3]})
+
+
+def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
+    args = llama.ModelArgs.from_dict(dict(LLAMA, head_dim=None, rms_norm_eps=None, rope_theta=500000))
+    assert args.head_dim == 8 and args.num_key_value_heads == 4  # derived from the widths
+    assert args.rms_norm_eps == 1e-6 and args.rope_theta == 500000.0 and isinstance(args.rope_theta, float)
+    assert args.rope["rope_base"] == 500000.0
+    assert qwen3.ModelArgs.from_dict(LLAMA).head_dim == 128
+    assert qwen3_next.ModelArgs.from_dict(HYBRID).rope["rope_dims"] == 4  # partial_rotary_factor 0.25 of 16
+    q = qwen3_next.ModelArgs.from_dict(dict(HYBRID, mlp_only_layers=[2]))
+    assert [q.is_sparse(i) for i in range(3)] == [True, True, False]
+    model = mn.models.from_config(dict(LLAMA, architectures=["LlamaForCausalLM"]))
+    assert model.args.vocab_size == model.vocab_size == 40 and model.context_length is None
+
+
+@pytest.mark.parametrize("module, key, value, words", [
+    (llama, "hidden_act", "swiglu7", "hidden_act = 'swiglu7' is not supported (supported: "),
+    (llama, "num_hidden_layers", 2.5, "num_hidden_layers = 2.5 is not supported (supported: an integer)"),
+    (llama, "rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope type 'yarn' is not supported (supported: "
+                                                                   "default, linear, llama3)"),
+    (gpt2, "activation_function", "mish", "activation_function = 'mish' is not supported (supported: gelu_new"),
+    (gpt2, "add_cross_attention", True, "add_cross_attention = True is not supported"),
+    (mistral, "sliding_window", -4, "sliding_window = -4 is not supported (supported: a positive integer or null)"),
+    (qwen2, "layer_types", ["full_attention", "chunked_attention"],
+     "layer_types[1] = 'chunked_attention' is not supported (supported: full_attention, sliding_attention)"),
+    (qwen3_next, "linear_num_value_heads", 3,
+     "linear_num_value_heads = 3 is not supported (supported: a positive multiple of linear_num_key_heads = 2)"),
+    (qwen3_next, "decoder_sparse_step", 0, "decoder_sparse_step = 0 is not supported (supported: a positive"),
+    (qwen3_5, "layer_types", None, "full_attention_interval = 0 is not supported (supported: a positive"),
+])
+def test_unsupported_values_name_the_field_the_value_and_what_is_supported(module, key, value, words):
+    config = _config(module)
+    config[key] = value
+    if module is qwen3_5:
+        config["full_attention_interval"] = 0
+    with pytest.raises(UnsupportedConfigError) as e:
+        module.ModelArgs.from_dict(config)
+    assert words in str(e.value)
+    # through the model, the message starts with the architecture
+    cls = ARCHITECTURES.entries()[[e.model.__module__ for e in ARCHITECTURES.entries()].index(module.__name__)].model
+    with pytest.raises(UnsupportedConfigError, match=f"^{cls.architecture}: "):
+        cls(config)
