@@ -43,7 +43,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .base import F32, GGMLType, f16, f16_bytes, f16_round, first_abs_max, i8s, nearest_int, pack_nibbles, seq_sum, u8s
+from .base import (F32, GGMLType, f16, f16_bytes, f16_round, first_abs_max, i8s, nearest_int, pack_nibbles,
+                   seq_sum, u8s)
 
 QK_K = 256
 

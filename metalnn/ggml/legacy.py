@@ -22,7 +22,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .base import F32, GGMLType, f16, f16_bytes, first_abs_max, i8s, nibbles, pack_nibbles, u8s, u32_bytes, u32s
+from .base import (F32, GGMLType, f16, f16_bytes, first_abs_max, i8s, nibbles, pack_nibbles, u8s, u32_bytes,
+                   u32s)
 
 _BIT = mx.arange(32, dtype=mx.uint32)
 
