@@ -9,9 +9,12 @@ calls but the quantizers never reach. F16 and BF16 go through ggml's own ``GGML_
 ``llama-quantize`` writes when it is given no importance matrix.
 
 For every type it prints the fraction of identical blocks over random rows of several kinds (normal,
-heavy-tailed, uniform, one sign, rows with zero / constant / tiny / huge / subnormal blocks, outliers).
+heavy-tailed, uniform, one sign, rows with zero / constant / tiny / huge / subnormal blocks, outliers),
+and, with ``--weights``, over the 2-D tensors of a safetensors file (each type on the tensors whose
+rows are whole blocks of it).
 
     python scripts/check_ggml_encoders.py [--src DIR] [--rows N] [--types Q4_K,Q6_K] [--seed S]
+                                          [--weights model.safetensors]
 """
 
 from __future__ import annotations
@@ -143,11 +146,18 @@ def main(argv=None) -> int:
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--types", default=",".join(FUNCTIONS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weights", type=Path, help="a safetensors file whose 2-D tensors are encoded too")
     args = parser.parse_args(argv)
 
     lib = ctypes.CDLL(str(build_library(args.src.expanduser(), args.cache.expanduser())))
     rng = np.random.default_rng(args.seed)
     rows = sample_rows(rng, args.rows, args.cols)
+    if args.weights:
+        import mlx.core as mx
+
+        for name, tensor in mx.load(str(args.weights)).items():
+            if tensor.ndim == 2:
+                rows[f"weights {name}"] = np.array(tensor.astype(mx.float32))
     failed = []
     print(f"{'type':6} {'blocks':>8} {'identical':>10}  {'metalnn s':>9} {'ggml s':>7}  worst kind")
     for qtype in args.types.split(","):
@@ -156,6 +166,8 @@ def main(argv=None) -> int:
         t_ours = t_ref = 0.0
         worst = (1.0, "")
         for kind, x in rows.items():
+            if x.shape[1] % cls.block_size:
+                continue
             t0 = time.perf_counter()
             ours = cls.encode(x)
             t1 = time.perf_counter()
@@ -165,6 +177,9 @@ def main(argv=None) -> int:
             eq = (ours.reshape(-1, cls.type_size) == want.reshape(-1, cls.type_size)).all(axis=1)
             total, same = total + eq.size, same + int(eq.sum())
             worst = min(worst, (float(eq.mean()), kind))
+        if not total:
+            print(f"{qtype:6} no rows of whole blocks")
+            continue
         frac = same / total
         note = "" if frac == 1.0 else f"{worst[1]} ({worst[0]:.4%})"
         print(f"{qtype:6} {total:8d} {frac:10.4%}  {t_ours:9.2f} {t_ref:7.2f}  {note}", flush=True)
