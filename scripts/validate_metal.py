@@ -33,12 +33,14 @@ import numpy as np  # noqa: E402
 
 import metal_kernels  # noqa: E402
 from metalnn import functional as F  # noqa: E402
+from metalnn import ggml  # noqa: E402
 from metalnn.kernels import launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "tests" / "support"), str(HERE)]
 
 import bench_kernels  # noqa: E402
+import ggml_blocks  # noqa: E402
 import kernel_cases as kc  # noqa: E402
 
 F32 = mx.float32
@@ -63,6 +65,25 @@ def _gated_delta(device, q, k, v, g, beta):
     o, ht = F.gated_delta_rule(q, k, v, -mx.abs(g) * 0.2, mx.sigmoid(beta), device=device,
                                use_qk_l2norm_in_kernel=True)
     return [o, ht]
+
+
+def _ggml(cls, w):
+    def fn(device, x):
+        return [F.ggml_matmul(x, w, cls, device=device)]
+    return fn
+
+
+#: GGML products: (rows of W, values a row (rounded up to whole blocks), x shape before the row length):
+#: decoding (matvec) and a prompt (matmul, 2 x 3 tiles, both partial). Random blocks hold values of up to
+#: ~100 (random 6-bit sub-scales); x is scaled by 1/16 so that outputs are of order 1 to 10, as the
+#: absolute part of the tolerance assumes.
+GGML_SHAPES = [(70, 512, (1,)), (70, 512, (2, 40))]
+
+
+def _ggml_weight(cls, rows, cols, seed):
+    """Random valid packed rows of ``cls`` (random bytes, finite scales: ``tests/support/ggml_blocks.py``)."""
+    blocks = ggml_blocks.random_blocks(cls.name, rows * cols // cls.block_size, np.random.default_rng(seed))
+    return mx.array(blocks.reshape(rows, -1))
 
 
 def cases():
@@ -93,6 +114,13 @@ def cases():
         args = tuple(_rand(s, F32, 9 + j) for j, s in enumerate(
             [(B, T, Hk, K), (B, T, Hk, K), (B, T, Hv, V), (B, T, Hv), (B, T, Hv)]))
         out.append(("gated_delta", f"B {B} T {T} Hk {Hk} Hv {Hv} K {K} V {V} float32", _gated_delta, args))
+    for name, cls in sorted(ggml.TYPES.items()):
+        for rows, values, lead in GGML_SHAPES:
+            cols = -(-values // cls.block_size) * cls.block_size
+            w = _ggml_weight(cls, rows, cols, 10)
+            for dtype in (kc.DTYPES if name == "Q4_K" else [F32]):
+                out.append(("ggml", f"{name} W {rows} x {cols} x {(*lead, cols)} {_name(dtype)}", _ggml(cls, w),
+                            ((_rand((*lead, cols), F32, 11) / 16).astype(dtype),)))
     return out
 
 

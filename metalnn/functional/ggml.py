@@ -1,10 +1,13 @@
 """Products with weights packed in a GGML tensor type (`metalnn.ggml`): which implementation runs.
 
 A packed weight ``W`` ``[out, in]`` is ``uint8 [out, in / block_size * type_size]``: each row its blocks.
-``"reference"`` and, for now, every other kernel choice decode the weight with the type's MLX decoder
-(`metalnn.ggml.GGMLType.decode`) and multiply in float32; the backward pass decodes it again rather than
-keeping the float copy from the forward pass, so training adapters over a packed model holds only the
-packed weights between the passes.
+``"metal"`` / ``"emulate"`` run the kernels of `metalnn.kernels.ggml` (``metal_kernels/ggml.metal``: every
+type of `metalnn.ggml`, x float32/float16/bfloat16) through ``mx.fast.metal_kernel`` or the CPU emulator:
+a matrix-vector kernel for a few rows of x (decoding), a tiled one for more (prompts), and ``dequantize``
+in the backward pass. ``"reference"``, ``"auto"`` and the calls the kernels do not take decode the weight
+with the type's MLX decoder (`metalnn.ggml.GGMLType.decode`) and multiply in float32. Either way the
+backward pass decodes the weight again rather than keeping a float copy from the forward pass, so
+training adapters over a packed model holds only the packed weights between the passes.
 """
 
 from __future__ import annotations
@@ -13,10 +16,23 @@ import functools
 
 import mlx.core as mx
 
+from ..device import resolve
+from ..kernels import ggml as kernels
+from ._dispatch import emulator_options, kernel_backend
 
-def ggml_dequantize(weight, qtype, dtype=mx.float32):
-    """The float matrix ``[out, in]`` of a packed weight ``uint8 [out, row_bytes]`` (in ``dtype``)."""
-    w = qtype.decode(weight)
+
+def ggml_dequantize(weight, qtype, dtype=mx.float32, *, device=None):
+    """The float matrix ``[out, in]`` of a packed weight ``uint8 [out, row_bytes]`` (in ``dtype``).
+
+    Args:
+        device: when given and on ``"metal"`` / ``"emulate"`` kernels, the ``dequantize`` kernel decodes
+            (bit-exact with the type's MLX decoder, which runs otherwise).
+    """
+    backend = kernel_backend(resolve(device)) if device is not None else None
+    if backend and kernels.supports_dequantize(weight, qtype):
+        w = kernels.dequantize(weight, qtype, backend, emulator_options(resolve(device)))
+    else:
+        w = qtype.decode(weight)
     return w if dtype == mx.float32 else w.astype(dtype)
 
 
@@ -41,15 +57,21 @@ def _decoded_product(qtype, dtype):
 
 def ggml_matmul(x, weight, qtype, *, device=None):
     """``x @ W.T``: ``x`` ``[..., in]`` and ``W`` packed as ``qtype`` (``uint8 [out, row_bytes]``) give
-    ``[..., out]`` in ``x``'s dtype (float32 for float32 inputs; half inputs multiply a half copy of
-    the weight). Gradients flow to ``x``.
+    ``[..., out]`` in ``x``'s dtype. Gradients flow to ``x``.
 
-    Args:
-        device: the `Device` whose kernel choice applies (every choice runs the decoder today).
+    Implementation by ``device.kernels``: ``"metal"`` / ``"emulate"`` the kernels of
+    `metalnn.kernels.ggml` for the calls its ``supports`` accepts (x float32/float16/bfloat16, not
+    empty; accumulated in float32; the input gradient ``g @ W`` from the ``dequantize`` kernel and an
+    MLX matmul in float32); otherwise the type's MLX decoder and an MLX matmul (float32 for float32
+    inputs; half inputs multiply a half copy of the weight).
     """
     in_features = weight.shape[-1] // qtype.type_size * qtype.block_size
     if x.shape[-1] != in_features:
         raise ValueError(f"ggml_matmul: x has {x.shape[-1]} features, the {qtype.name} weight "
                          f"{tuple(weight.shape)} holds rows of {in_features}")
+    device = resolve(device)
+    backend = kernel_backend(device)
+    if backend and kernels.supports(x, weight, qtype):
+        return kernels.ggml_matmul(x, weight, qtype, backend, emulator_options(device))
     dtype = x.dtype if x.dtype in (mx.float16, mx.bfloat16) else mx.float32
     return _decoded_product(qtype, dtype)(x, weight)

@@ -11,12 +11,15 @@ terms of order 1 in another order).
 """
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import metal_kernels
 import metalnn as mn
 from metalnn import functional as F
+from metalnn import ggml
 
+from ggml_blocks import random_blocks
 from kernel_cases import close, emulate, random, reference, spy_launches
 
 BACKENDS = ["emulate", pytest.param("metal", marks=pytest.mark.skipif(not mx.metal.is_available(),
@@ -78,6 +81,18 @@ def _gated_delta(grad):
     return run
 
 
+def _ggml(x_rows, grad):
+    # Q4_K, 3 rows of one 256-value block: x of 2 rows runs matvec, of 9 rows matmul; the gradient dequantize
+    cls = ggml.get_type("Q4_K")
+    w = mx.array(random_blocks("Q4_K", 3, np.random.default_rng(14)).reshape(3, cls.type_size))
+    x = random((x_rows, 256), mx.float32, 15)
+
+    def run(device):
+        fn = lambda a: F.ggml_matmul(a, w, cls, device=device)  # noqa: E731
+        return mx.grad(lambda a: (fn(a) ** 2).sum())(x) if grad else fn(x)
+    return run
+
+
 CASES = {
     ("rms_norm", "rms_norm_forward"): _rms_norm(None),
     ("rms_norm", "rms_norm_backward_dx"): _rms_norm(0),
@@ -91,6 +106,9 @@ CASES = {
     ("conv", "conv2d_wgrad"): _conv(1),
     ("gated_delta", "gated_delta_forward"): _gated_delta(False),
     ("gated_delta", "gated_delta_backward"): _gated_delta(True),
+    ("ggml", "matvec"): _ggml(2, False),
+    ("ggml", "matmul"): _ggml(9, False),
+    ("ggml", "dequantize"): _ggml(2, True),
 }
 
 

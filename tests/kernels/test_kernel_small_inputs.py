@@ -19,8 +19,11 @@ import torch.nn.functional as TF
 
 import metalnn as mn
 from metalnn import functional as F
+from metalnn import ggml
 from metalnn.kernels import gated_delta as gd_kernels
+from metalnn.kernels import ggml as ggml_kernels
 
+from ggml_blocks import random_blocks
 from kernel_cases import close, emulate, random, reference
 
 
@@ -202,3 +205,26 @@ def test_conv_small(xs, ws):
     gx, gw = grads(lambda a, b: conv_mx(a, b, device=device), (xm, wm), mx.array(cot))
     np.testing.assert_allclose(np.array(gx), xt.grad.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(gw), wt.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ GGML products
+# (x shape, type): W is one row of the type; x of 1, 2, 7 and 9 elements, W of 2 bytes (F16 1 x 1),
+# 4 (F32 1 x 1), 2 (BF16 1 x 1), 28 (F32 1 x 7) and 18 (Q4_0 1 x 32); y of 1, 2, 7 and 9 elements.
+# Each on both products (matvec, matmul), forward and the input gradient (the dequantize kernel),
+# against x @ W.T and g @ W with W decoded by the type's MLX decoder.
+GGML_CASES = [((1, 1), "F32"), ((2, 1), "F16"), ((7, 1), "BF16"), ((9, 1), "F32"), ((1, 7), "F32"),
+              ((1, 32), "Q4_0")]
+
+
+@pytest.mark.parametrize("xs,qtype", GGML_CASES)
+@pytest.mark.parametrize("kernel", ["matvec", "matmul"])
+def test_ggml_small(xs, qtype, kernel):
+    cls = ggml.get_type(qtype)
+    w = mx.array(random_blocks(qtype, xs[-1] // cls.block_size, np.random.default_rng(sum(xs))).reshape(1, -1))
+    W = cls.decode(w)
+    x = random(xs, mx.float32, 1)
+    cot = random((xs[0], 1), mx.float32, 2)
+    fn = lambda a: ggml_kernels.ggml_matmul(a, w, cls, "emulate", kernel=kernel)  # noqa: E731
+    close(fn(x), x @ W.T, mx.float32)
+    (g,) = grads(fn, (x,), cot)
+    close(g, cot @ W, mx.float32)
