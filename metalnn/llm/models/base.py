@@ -50,14 +50,14 @@ def refuse(field: str, value, supported) -> typing.NoReturn:
 
 
 def _scalar_type(hint):
-    """``(int | float | bool, optional)`` for a field annotated ``T`` or ``T | None``; None for any other type."""
+    """``int``, ``float`` or ``bool`` for a field annotated so (or ``... | None``); None for any other type."""
     if hint in (int, float, bool):
-        return hint, False
+        return hint
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) and len(args) == 2 and type(None) in args:
         other = args[0] if args[1] is type(None) else args[1]
         if other in (int, float, bool):
-            return other, True
+            return other
     return None
 
 
@@ -90,7 +90,8 @@ class BaseModelArgs:
     @classmethod
     def from_dict(cls, params: dict):
         """The args of a Hugging Face style config dict. Keys that are no field are ignored; a key
-        given as null takes its field's default (the key is required when the field has none).
+        given as null takes its field's default unless the field is annotated ``... | None`` (a
+        required key given as null is absent).
 
         Raises:
             UnsupportedConfigError: a required key absent (all of them named) or a value refused.
@@ -116,7 +117,7 @@ class BaseModelArgs:
             value = getattr(self, f.name)
             if scalar is None or value is None:
                 continue
-            setattr(self, f.name, _coerce(f.name, scalar[0], value))
+            setattr(self, f.name, _coerce(f.name, scalar, value))
 
 
 def _hints(cls) -> dict:
