@@ -116,7 +116,7 @@ def sample_rows(rng: np.random.Generator, n: int, cols: int) -> dict:
     segment = 32
     for row in range(n):  # whole 32-value stretches (a sub-block, or a legacy block) of special values
         for start in range(0, cols, segment * 7):
-            kind = rng.integers(0, 8)
+            kind = rng.integers(0, 9)
             part = odd[row, start:start + segment]
             if kind == 0:
                 part[:] = 0.0
@@ -132,8 +132,12 @@ def sample_rows(rng: np.random.Generator, n: int, cols: int) -> dict:
                 part[rng.integers(0, segment)] *= 1e3
             elif kind == 6:
                 part[:] = np.round(part * 4) / 4  # values on a grid: ties in the rounding
-            else:
+            elif kind == 7:
                 part[: segment // 2] = 0.0
+            else:  # zeros of both signs, alone or beside values of one sign
+                part[:] = np.where(rng.random(segment) < 0.5, -0.0, 0.0)
+                if rng.random() < 0.5:
+                    part[segment // 2:] = np.abs(part[segment // 2:]) * rng.choice([-1.0, 1.0])
     kinds["special blocks"] = odd
     return {name: np.asarray(v, dtype=np.float32) for name, v in kinds.items()}
 

@@ -63,8 +63,11 @@ def _inverse(d):
 
 
 def _min_max(values):
-    """``min``, ``max`` of each block (ggml starts from ``FLT_MAX`` and ``-FLT_MAX``)."""
-    return values.min(axis=-1).astype(F32), values.max(axis=-1).astype(F32)
+    """``min``, ``max`` of each block as ggml's ``if (v < min) min = v`` finds them: the first value of
+    each (which decides the sign of a zero, stored in Q4_1's and Q5_1's ``m``)."""
+    lo = np.take_along_axis(values, values.argmin(axis=-1)[:, None], axis=-1)[:, 0]
+    hi = np.take_along_axis(values, values.argmax(axis=-1)[:, None], axis=-1)[:, 0]
+    return lo.astype(F32), hi.astype(F32)
 
 
 def _nibble_bytes(q, masked=True):
