@@ -12,8 +12,9 @@ Three kernels, each instantiated per type (template ``Q``: the GGUF type id):
 
 `ggml_matmul` is an ``mx.custom_function`` (built once per type, backend, emulator options and kernel
 choice): its VJP gives ``x`` the gradient ``g @ W`` (``dequantize`` then an MLX matmul in float32,
-decoded after the cotangent exists, so only the packed weight is kept between the passes) and the
-packed weight a zero gradient (it is not trainable). The codebook types (IQ2_XXS ... IQ1_M) pass
+decoded after the cotangent exists, so only the packed weight is kept between the passes, and in
+slices of at most `BACKWARD_SLICE_VALUES` values, so a large weight such as an output head is never
+decoded whole) and the packed weight a zero gradient (it is not trainable). The codebook types (IQ2_XXS ... IQ1_M) pass
 their grid, from `metalnn.ggml.grids`, to the kernels as an input.
 """
 
@@ -44,6 +45,8 @@ MM_THREADS = 128         # 4 SIMD groups
 MM_TILE = 32             # rows of W and of x per threadgroup
 DEQUANTIZE_THREADS = 256
 KERNELS = ("matvec", "matmul")
+#: the input gradient decodes the weight in row slices of at most this many values (64 MiB of float32)
+BACKWARD_SLICE_VALUES = 1 << 24
 #: the largest grid dimension a launch may ask for (threads, a uint32 on the GPU)
 MAX_GRID = 2**31
 
@@ -131,9 +134,15 @@ def _function(qtype, backend: str, options: tuple, kernel):
     def product_vjp(primals, cotangent, output):
         x, weight = primals
         later = mx.depends([weight], [cotangent])[0]   # decoded after the cotangent exists
-        w = dequantize(later, qtype, backend, options)
-        dx = mx.matmul(cotangent.astype(mx.float32), w).astype(x.dtype)
-        return dx, mx.zeros_like(weight)
+        g = cotangent.reshape(-1, weight.shape[0]).astype(mx.float32)
+        cols = x.shape[-1]
+        step = max(1, BACKWARD_SLICE_VALUES // cols)
+        dx = None
+        for r0 in range(0, weight.shape[0], step):
+            w = dequantize(later[r0:r0 + step], qtype, backend, options)
+            part = mx.matmul(g[:, r0:r0 + step], w)
+            dx = part if dx is None else dx + part
+        return dx.reshape(x.shape).astype(x.dtype), mx.zeros_like(weight)
 
     return product
 

@@ -154,6 +154,18 @@ def test_half_inputs(qtype, dtype, monkeypatch):
     assert launches.names() == {"matvec", "matmul", "dequantize"}
 
 
+def test_input_gradient_decodes_the_weight_in_slices(monkeypatch):
+    """A weight beyond `BACKWARD_SLICE_VALUES` is decoded a slice of rows at a time (here 40 rows of 256
+    values in slices of 3 rows: 14 dequantize launches), with the same gradient."""
+    monkeypatch.setattr(kernels, "BACKWARD_SLICE_VALUES", 3 * 256 + 100)
+    launches = spy_launches(monkeypatch)
+    cls, w, W = packed("Q6_K", 40, "large", seed=5)
+    x, g = normal((2, 3, 256), seed=6), normal((2, 3, 40), seed=7)
+    _, (dx,) = mx.vjp(lambda a: kernels.ggml_matmul(a, w, cls, "emulate"), [x], [g])
+    assert [launch.name for launch in launches] == ["matvec"] + ["dequantize"] * 14
+    assert_sums_close(dx, g @ W, g, W, what="sliced dx")
+
+
 def test_packed_weight_gets_a_zero_gradient_and_reference_runs_no_kernel(monkeypatch):
     launches = spy_launches(monkeypatch)
     cls, w, W = packed("Q4_K", 3, "one", seed=1)
