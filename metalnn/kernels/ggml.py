@@ -14,8 +14,8 @@ Three kernels, each instantiated per type (template ``Q``: the GGUF type id):
 choice): its VJP gives ``x`` the gradient ``g @ W`` (``dequantize`` then an MLX matmul in float32,
 decoded after the cotangent exists, so only the packed weight is kept between the passes, and in
 slices of at most `BACKWARD_SLICE_VALUES` values, so a large weight such as an output head is never
-decoded whole) and the packed weight a zero gradient (it is not trainable). The codebook types (IQ2_XXS ... IQ1_M) pass
-their grid, from `metalnn.ggml.grids`, to the kernels as an input.
+decoded whole) and the packed weight a zero gradient (it is not trainable). The codebook types
+(IQ2_XXS ... IQ1_M) pass their grid, from `metalnn.ggml.grids`, to the kernels as an input.
 """
 
 from __future__ import annotations
@@ -56,23 +56,29 @@ def _unit(qtype) -> int:
     return 1 if qtype.block_size == 1 else 16
 
 
+def _packed(weight, qtype) -> bool:
+    """A packed ``uint8 [rows, row_bytes]`` weight of a type of `TYPES`: whole blocks, not empty."""
+    return (qtype.name in TYPES and weight.dtype == mx.uint8 and weight.ndim == 2 and weight.size > 0
+            and weight.shape[1] % qtype.type_size == 0)
+
+
+def _cols(weight, qtype) -> int:
+    return weight.shape[1] // qtype.type_size * qtype.block_size
+
+
 def supports_dequantize(weight, qtype) -> bool:
     """Whether ``dequantize`` takes the packed ``weight`` ``uint8 [rows, row_bytes]`` of ``qtype``: a type
-    of `TYPES`, whole blocks, not empty, within the grid's limits."""
-    if qtype.name not in TYPES or weight.dtype != mx.uint8 or weight.ndim != 2 or weight.size == 0:
-        return False
-    if weight.shape[1] % qtype.type_size:
-        return False
-    values = weight.shape[0] * (weight.shape[1] // qtype.type_size * qtype.block_size)
-    return values // _unit(qtype) < MAX_GRID and values < MAX_GRID
+    of `TYPES`, whole blocks, not empty, one thread a unit within the grid's limit."""
+    return _packed(weight, qtype) and weight.shape[0] * _cols(weight, qtype) // _unit(qtype) < MAX_GRID
 
 
 def supports(x, weight, qtype) -> bool:
     """Whether the products take ``x [..., cols]`` and the packed ``weight`` ``uint8 [rows, row_bytes]``
-    of ``qtype``: `supports_dequantize`, x float32/float16/bfloat16 of the weight's row length, not empty."""
-    if not supports_dequantize(weight, qtype) or x.dtype not in DTYPES or x.ndim < 1 or x.size == 0:
-        return False
-    return x.shape[-1] == weight.shape[1] // qtype.type_size * qtype.block_size and x.size < MAX_GRID
+    of ``qtype``: a type of `TYPES`, x float32/float16/bfloat16 of the weight's row length, nothing empty.
+    (Their input gradient decodes slices of `BACKWARD_SLICE_VALUES` values, always within the grid.)"""
+    return (_packed(weight, qtype) and x.dtype in DTYPES and x.ndim >= 1 and x.size > 0
+            and x.shape[-1] == _cols(weight, qtype)
+            and _cdiv(weight.shape[0], MV_ROWS_PER_GROUP) * MV_THREADS < MAX_GRID)
 
 
 @lru_cache(maxsize=None)
@@ -97,8 +103,7 @@ def _cdiv(a, b):
 
 def dequantize(weight, qtype, backend: str, emulator_options=()):
     """``float32 [rows, cols]``: the values of the packed ``weight`` ``uint8 [rows, row_bytes]``."""
-    rows = weight.shape[0]
-    cols = weight.shape[1] // qtype.type_size * qtype.block_size
+    rows, cols = weight.shape[0], _cols(weight, qtype)
     threads = rows * cols // _unit(qtype)
     (out,) = launch.run(FAMILY, "dequantize", backend, [weight, table(qtype), rows, cols], [(rows, cols)],
                         [mx.float32], grid=(threads, 1, 1), threadgroup=(DEQUANTIZE_THREADS, 1, 1),
