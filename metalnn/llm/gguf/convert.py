@@ -1,11 +1,10 @@
 """GGUF checkpoints (llama.cpp / Ollama files) as Hugging Face style configs and tensors: the generic part.
 
-`read_checkpoint(path, converters)` reads the header, refuses tensor types metalnn cannot load, picks
+`read_checkpoint(path, converters)` reads the header, picks
 the `Converter` of the file's ``general.architecture``, builds the config dict in Hugging Face's keys
 from the ``<arch>.*`` / ``tokenizer.ggml.*`` metadata, loads the tensors and lets the converter give
 them Hugging Face's names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``;
-quantized tensors keep MLX's ``weight`` / ``scales`` / ``biases`` triple) and undo what llama.cpp's
-converter did to them. The config also gets the ``quantization`` of the layers stored quantized.
+tensors read by `metalnn.llm.gguf.tensors`, kept packed) and undo what llama.cpp's converter did to them. The config also gets the ``quantization`` of the layers stored quantized.
 
 One `Converter` subclass per llama.cpp architecture lives in `metalnn.llm.gguf.converters` (as
 llama.cpp's ``convert_hf_to_gguf.py`` has one class per model): a tensor-name table and hooks for
@@ -19,7 +18,8 @@ from dataclasses import dataclass
 
 from ...errors import UnsupportedConfigError, WeightLoadError
 from ...quantization import config_from_settings
-from .reader import GGUFHeader, check_supported, load_tensors, quantization_of, read_header
+from .reader import GGUFHeader, read_header
+from .tensors import AFFINE, read_tensors
 
 #: gguf-py's tensor names outside the blocks -> Hugging Face module paths
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -68,10 +68,18 @@ class Converter:
     #: GGUF name -> Hugging Face name (without ``.weight`` etc.), outside and inside the blocks
     global_names = GLOBAL_NAMES
     block_names = BLOCK_NAMES
+    #: whether the converter passes GGML blocks through (row transforms only); a converter that regroups
+    #: columns sets False and gets the weights no MLX layout holds decoded to float32
+    keeps_ggml_blocks = True
+    #: GGUF tensors kept as GGML blocks even when MLX's affine layout could hold them: the token table,
+    #: whose rows `GGMLEmbedding` decodes in float32
+    block_tensors = ("token_embd.weight",)
 
     def __init__(self, header: GGUFHeader):
         self.header = header
         self.prefix = f"{header.architecture}."
+        #: ``{GGUF weight name: GGML type}`` of the weights kept as blocks (set by `read_checkpoint`)
+        self.packed = {}
 
     # -- config ------------------------------------------------------------------------------------
     def meta_int(self, key: str, default=None) -> int:
@@ -181,16 +189,23 @@ class Converter:
         return array
 
     def quantization(self, tensors: dict) -> dict | None:
-        """The ``quantization`` config (metalnn / MLX form) of the layers the file stores quantized."""
-        layers = {}
+        """The ``quantization`` config (metalnn / MLX form) of the layers the file stores quantized: MLX's
+        affine settings for the Q4_0 ... Q8_0 weights, ``{"ggml_type": ...}`` for those kept as blocks."""
+        affine, blocks = {}, {}
         for info in self.header.tensors.values():
-            q = quantization_of(info)
-            if q is not None and info.name.endswith(".weight"):
-                name = self.hf_name(info.name)
-                if name is not None:
-                    bits, group = q
-                    layers[name[: -len(".weight")]] = (group, bits, "affine")
-        return config_from_settings(layers)
+            name = self.hf_name(info.name) if info.name.endswith(".weight") else None
+            if name is None:
+                continue
+            module = name[: -len(".weight")]
+            if info.name in self.packed:
+                blocks[module] = {"ggml_type": self.packed[info.name]}
+            elif info.type in AFFINE:
+                affine[module] = (32, AFFINE[info.type][0], "affine")
+        if not affine and not blocks:
+            return None
+        config = config_from_settings(affine) or {"group_size": 32, "bits": 4, "mode": "affine"}
+        config.update(blocks)
+        return config
 
 
 class Misfit(Exception):
@@ -219,15 +234,17 @@ def read_checkpoint(path, converters: dict) -> GGUFCheckpoint:
         converters: ``{GGUF architecture: Converter class}`` (`metalnn.llm.models.ARCHITECTURES`
             ``.gguf_converters()``).
     Raises:
-        WeightLoadError: not GGUF, truncated, corrupt, tensor types MLX cannot load, or tensors the
+        WeightLoadError: not GGUF, truncated, corrupt, tensor types no model uses, or tensors the
             converter cannot place.
         UnsupportedConfigError: an architecture or metadata value metalnn does not support.
     """
     header = read_header(path)
-    check_supported(header)
     converter = converter_for(header, converters)(header)
     config = converter.config()
-    tensors = converter.convert(load_tensors(header), config)
+    keeps = converter.keeps_ggml_blocks
+    arrays, converter.packed = read_tensors(header, keep_blocks=converter.block_tensors if keeps else (),
+                                            decode_blocks=not keeps)
+    tensors = converter.convert(arrays, config)
     q = converter.quantization(tensors)
     if q is not None:
         config["quantization"] = q

@@ -2,11 +2,8 @@
 
 `read_header(path)` parses the header without loading tensor data: the metadata (``{key: value}``
 with Python ints, floats, bools, strings and lists) and every tensor's type, shape and byte range,
-checked against the file size. `load_tensors(path, header)` then loads the tensors through
-``mx.load``, which maps the llama.cpp block formats Q4_0, Q4_1 and Q8_0 to MLX's affine quantized
-layout (``name.weight`` packed uint32, ``name.scales``, ``name.biases``; group size 32) and F32 /
-F16 to float arrays; BF16 tensors are read directly (MLX would narrow them to float16). Other
-types (the K-quants, IQ formats, Q5_x, ...) raise one `WeightLoadError` naming every such tensor.
+checked against the file size. `metalnn.llm.gguf.tensors.read_tensors` then reads the tensors
+themselves, kept packed.
 
 Layout (GGUF v2/v3, little endian): ``"GGUF"``, version u32, tensor count u64, metadata count
 u64, the metadata key/value pairs, the tensor infos (name, dims, type, offset), then the tensor data
@@ -20,7 +17,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from ...errors import WeightLoadError
@@ -36,9 +32,6 @@ GGML_TYPES = {
     29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
     39: ("MXFP4", 32, 17),
 }
-#: tensor types metalnn loads: type -> (bits, group size) for the quantized ones, None for floats
-SUPPORTED_TYPES = {"F32": None, "F16": None, "BF16": None, "Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32)}
-
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
@@ -186,38 +179,6 @@ def _parse(buf, path, size):
     return GGUFHeader(path, version, metadata, tensors, data_offset)
 
 
-def check_supported(header: GGUFHeader):
-    """Raise one `WeightLoadError` naming every tensor whose type metalnn cannot load."""
-    bad = {}
-    for t in header.tensors.values():
-        if t.type not in SUPPORTED_TYPES:
-            bad.setdefault(t.type, []).append(t.name)
-    if bad:
-        parts = [f"{k} ({len(v)} tensors: {', '.join(v[:4])}{' ...' if len(v) > 4 else ''})" for k, v in bad.items()]
-        raise WeightLoadError(source=str(header.path), message=(
-            f"{header.path}: GGUF tensor type(s) not supported: {'; '.join(parts)}. metalnn loads "
-            f"{', '.join(SUPPORTED_TYPES)} (MLX's GGUF reader); convert the model with llama.cpp's llama-quantize to "
-            "Q4_0, Q4_1 or Q8_0, or use an MLX-quantized or safetensors checkpoint"))
-
-
-def load_tensors(header: GGUFHeader) -> dict:
-    """All tensors of a validated GGUF file as ``{name: mx.array}`` (quantized ones as
-    ``name.weight`` / ``name.scales`` / ``name.biases``, names without ``.weight`` kept as is)."""
-    check_supported(header)
-    path = header.path
-    try:
-        arrays = mx.load(str(path))
-    except Exception as e:  # MLX raises RuntimeError with its own reason
-        raise WeightLoadError(source=str(path), message=f"{path}: MLX could not read the GGUF file ({e})") from None
-    bf16 = [t for t in header.tensors.values() if t.type == "BF16"]
-    if bf16:
-        raw = np.memmap(path, dtype=np.uint8, mode="r")
-        for t in bf16:
-            words = np.frombuffer(raw[t.offset:t.offset + t.nbytes], dtype="<u2").reshape(t.shape)
-            arrays[t.name] = mx.array(words.astype(np.uint16)).view(mx.bfloat16)
-        del raw
-    return arrays
-
 def find_gguf(path) -> Path | None:
     """``path`` if it is a ``.gguf`` file; the single ``.gguf`` file of a folder; else None.
 
@@ -231,9 +192,3 @@ def find_gguf(path) -> Path | None:
             raise ValueError(f"{path}: several GGUF files ({', '.join(f.name for f in files)}); pass one of them")
         return files[0] if files else None
     return None
-
-
-
-def quantization_of(info: TensorInfo):
-    """``(bits, group_size)`` of a quantized tensor type, None for float types."""
-    return SUPPORTED_TYPES.get(info.type)

@@ -72,9 +72,16 @@ def _affine(blocks: np.ndarray, qtype: str):
     return packed.reshape(*packed.shape[:-2], -1), d, bias
 
 
-def read_tensors(header: GGUFHeader):
+def read_tensors(header: GGUFHeader, keep_blocks=(), decode_blocks: bool = False):
     """``(arrays, packed)``: ``{name: mx.array}`` as described in the module docstring, and
     ``{weight name: GGML type name}`` for the weights kept as GGML blocks.
+
+    Args:
+        header: the file's parsed header.
+        keep_blocks: tensor names kept as GGML blocks even when their type is MLX's affine layout
+            (a token table: `metalnn.layers.GGMLEmbedding` decodes its rows in float32).
+        decode_blocks: decode the weights no MLX layout can hold into float32 instead of keeping
+            their blocks (for models whose converter regroups columns; ``packed`` is then empty).
 
     Raises `WeightLoadError` naming the file and the tensor for a type metalnn cannot run (I8 ...
     F64, Q8_1, Q8_K: types llama.cpp never writes into model files) or a tensor whose rows are not
@@ -86,9 +93,10 @@ def read_tensors(header: GGUFHeader):
         for info in header.tensors.values():
             raw = np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
             try:
-                _read_one(info, raw, arrays, packed)
+                _read_one(info, raw, arrays, packed, info.name in keep_blocks, decode_blocks)
             except (KeyError, ValueError, OverflowError) as e:
-                bad.append(f"{info.name} ({info.type} {list(info.shape)}: {e})")
+                reason = e.args[0] if isinstance(e, KeyError) and e.args else e
+                bad.append(f"{info.name} ({info.type} {list(info.shape)}: {reason})")
             del raw
     if bad:
         raise WeightLoadError(source=str(path), message=(
@@ -96,7 +104,7 @@ def read_tensors(header: GGUFHeader):
     return arrays, packed
 
 
-def _read_one(info, raw, arrays, packed):
+def _read_one(info, raw, arrays, packed, keep, decode):
     name, shape = info.name, tuple(info.shape)
     if info.type in FLOATS:
         np_dtype = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[info.type]
@@ -110,13 +118,17 @@ def _read_one(info, raw, arrays, packed):
     stem = name[:-len(".weight")] if name.endswith(".weight") else name
     row_bytes = qtype.row_bytes(shape[-1])
     blocks = raw.reshape(*shape[:-1], row_bytes // qtype.type_size, qtype.type_size)
-    if info.type in AFFINE:
+    if info.type in AFFINE and not keep:
         w, scales, biases = _affine(blocks, info.type)
         arrays[f"{stem}.weight"] = mx.array(w)
         arrays[f"{stem}.scales"] = mx.array(scales)
         arrays[f"{stem}.biases"] = mx.array(biases)
         return
-    arrays[f"{stem}.weight"] = mx.array(raw.reshape(*shape[:-1], row_bytes).copy())
+    data = mx.array(raw.reshape(*shape[:-1], row_bytes).copy())
+    if decode:
+        arrays[name] = qtype.decode(data)
+        return
+    arrays[f"{stem}.weight"] = data
     packed[f"{stem}.weight"] = info.type
 
 

@@ -75,8 +75,9 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
             (config, safetensors and tokenizer files are fetched with ``huggingface_hub``).
         dtype: float dtype of the parameters (``mx.float32``, ``"bfloat16"``, ...; quantized
             layers keep their packed weights and take it for their scales and biases). Default:
-            the checkpoint's first floating type; float32 for GGUF files (llama.cpp keeps norms in
-            float32; the scales of Q4_0/Q4_1/Q8_0 blocks are then exact).
+            the checkpoint's first floating type; for GGUF files float32 (llama.cpp keeps norms in
+            float32), or the file's half type for F16 / BF16 files. A GGUF file's quantized weights stay
+            packed (`metalnn.llm.gguf.tensors`): its Q4_0 ... Q8_0 linears keep float16 scales.
         strict: every parameter must be present and every tensor used (all problems are listed
             in one `WeightLoadError`).
     Returns:
@@ -96,13 +97,14 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
         cls = model_class(config)
         model = cls(config)
         provider = DictProvider(checkpoint.tensors, str(gguf_file))
-        default_dtype = mx.float32
+        default_dtype = _gguf_float_dtype(checkpoint.header)
     else:
         config, source = read_config(path), path
         cls = model_class(config)
         model = cls(config)
         provider = open_provider(path)
-        floats = [provider.spec(k)[1] for k in provider.keys()]
+        # the model's own floats: the scales and biases of quantized layers may be of another type
+        floats = [provider.spec(k)[1] for k in provider.keys() if not k.endswith((".scales", ".biases"))]
         floats = [d for d in floats if mx.issubdtype(d, mx.floating)]
         default_dtype = floats[0] if floats else mx.float32
     qconfig = quantization.read_config(config, str(source))
@@ -112,6 +114,7 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
     dtype = _as_dtype(default_dtype if dtype is None else dtype)
     if any(p.dtype != dtype and mx.issubdtype(p.dtype, mx.floating) for p in model.named_parameters().values()):
         model.set_dtype(dtype)
+    _keep_half_scales(model, provider)
     try:
         model.load_weights_from(provider, strict=strict)
     except WeightLoadError as e:
@@ -120,6 +123,31 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
                               message=f"{cls.architecture}: " + e.message + hint) from None
     model.eos_token_ids = _checkpoint_eos(path, checkpoint.header if gguf_file is not None else None)
     return model.eval()
+
+
+def _gguf_float_dtype(header):
+    """The dtype a GGUF model runs in by default: float16 / bfloat16 when the file stores its token table
+    in that type (an F16 / BF16 file stays half precision), else float32 (llama.cpp keeps norms in
+    float32; quantized blocks decode exactly in it)."""
+    table = header.tensors.get("token_embd.weight")
+    return {"F16": mx.float16, "BF16": mx.bfloat16}.get(table.type if table is not None else None, mx.float32)
+
+
+def _keep_half_scales(model, provider):
+    """`QuantizedLinear` layers keep their checkpoint's half-precision scales and biases in a float32
+    model (a GGUF file's, or a model saved from one; exact, and the products still compute in the
+    input's float32): the model then takes about its file's size."""
+    from ...layers.quantized import QuantizedLinear
+
+    for path, m in model.named_modules():
+        if not isinstance(m, QuantizedLinear):
+            continue
+        for key in ("scales", "biases"):
+            name = f"{path}.{key}"
+            if key in m and name in provider.keys():
+                want = provider.spec(name)[1]
+                if want != m[key].dtype and mx.issubdtype(want, mx.floating):
+                    m[key] = m[key].astype(want)
 
 
 def _checkpoint_eos(path, gguf_header) -> frozenset:

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 import gguf_files as G
 import metalnn as mn
+from metalnn import ggml
 from metalnn.llm.chat_template import ChatTemplateError
 from metalnn.llm.models import load_pretrained, load_tokenizer, read_gguf
 
@@ -74,7 +75,9 @@ def test_gguf_llama_matches_transformers(files, name):
     layer = model.model.layers[0]
     assert (layer.self_attn.q_proj.bits, layer.self_attn.q_proj.group_size) == (4, 32)  # Q4_0
     assert (layer.mlp.gate_proj.bits, layer.mlp.gate_proj.group_size) == (8, 32)  # Q8_0
-    assert isinstance(model.model.embed_tokens, mn.QuantizedEmbedding)
+    assert layer.self_attn.q_proj.scales.dtype == mx.float16  # the file's own half scales, exact
+    # the token table keeps its blocks: rows decode in float32
+    assert isinstance(model.model.embed_tokens, mn.GGMLEmbedding) and model.model.embed_tokens.ggml_type == "Q8_0"
     assert type(layer.self_attn.o_proj) is mn.Linear  # F16
     assert ("lm_head" in model) == (name == "llama")
     # a folder holding the file loads the same way
@@ -120,6 +123,8 @@ def test_tensor_names_values_and_config_match_transformers(files, arch):
             s = q.get(stem, q)
             a = mx.dequantize(a, ck.tensors[f"{stem}.scales"].astype(mx.float32),
                               ck.tensors[f"{stem}.biases"].astype(mx.float32), s["group_size"], s["bits"])
+        elif isinstance(q.get(stem), dict) and "ggml_type" in q[stem]:   # kept as GGML blocks
+            a = ggml.get_type(q[stem]["ggml_type"]).decode(a)
         ours[name] = np.array(a.astype(mx.float32))
     ref = {k: v.numpy() for k, v in hf.state_dict().items()}
     assert set(ours) == set(ref)
@@ -198,17 +203,21 @@ def test_truncated_and_corrupt_files(files, tmp_path):
         load_pretrained(bad)
 
 
-def test_unsupported_quantization_types_are_named(tmp_path):
-    # zero blocks of the right byte size: the file must be refused before any tensor is used
+def test_tensors_no_model_uses_and_types_no_model_file_holds_are_named(tmp_path):
     extra = {"blk.0.extra_a.weight": (np.zeros((4, 144), np.uint8), Q.Q4_K),  # 256 values per row
              "blk.1.extra_a.weight": (np.zeros((4, 144), np.uint8), Q.Q4_K),
              "blk.0.extra_b.weight": (np.zeros((4, 44), np.uint8), Q.Q5_0)}  # 64 values per row
-    path = G.write(tmp_path / "kq.gguf", _tiny_model(), extra_tensors=extra)
+    path = G.write(tmp_path / "extra.gguf", _tiny_model(), extra_tensors=extra)
     with pytest.raises(mn.WeightLoadError) as e:
         load_pretrained(path)
     msg = str(e.value)
-    assert str(path) in msg and "Q4_K (2 tensors: blk.0.extra_a.weight, blk.1.extra_a.weight)" in msg
-    assert "Q5_0 (1 tensors: blk.0.extra_b.weight)" in msg
+    assert str(path) in msg and "blk.0.extra_a.weight" in msg and "blk.0.extra_b.weight" in msg
+    # Q8_K is ggml's intermediate type for products, never a model's weights
+    extra = {"blk.0.extra_c.weight": (np.zeros((4, 292), np.uint8), Q.Q8_K)}
+    path = G.write(tmp_path / "q8k.gguf", _tiny_model(), extra_tensors=extra)
+    with pytest.raises(mn.WeightLoadError, match=r"q8k.gguf: 1 tensor\(s\) cannot be read: blk.0.extra_c.weight "
+                       r"\(Q8_K \[4, 256\]: unknown GGML type 'Q8_K'"):
+        load_pretrained(path)
 
 
 def test_unknown_architecture_and_missing_tensor(files, tmp_path):

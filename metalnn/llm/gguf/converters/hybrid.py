@@ -131,7 +131,10 @@ def quantization_of_tensors(tensors: dict) -> dict | None:
 
 class HybridConverter(Converter):
     """Files of a Gated DeltaNet hybrid: every ``full_attention_interval``-th layer full attention, the
-    others linear attention; `convert` walks the blocks and calls the hooks for what differs."""
+    others linear attention; `convert` walks the blocks and calls the hooks for what differs. Its column
+    regrouping needs MLX's affine groups: weights of other GGML types arrive decoded to float32."""
+
+    keeps_ggml_blocks = False
 
     # -- config ------------------------------------------------------------------------------------
     def linear_sizes(self) -> dict:
