@@ -96,8 +96,9 @@ def _type_for(name, types):
 
 
 def write(path, model=None, *, arch="llama", tokenizer="gpt2", pre="default", types=None, add_bos=None,
-          chat_template=CHATML, extra_tensors=None, metadata=None):
-    """Write ``model`` (a transformers model, or None for a tokenizer-only file) as a GGUF file."""
+          chat_template=CHATML, extra_tensors=None, metadata=None, skip=()):
+    """Write ``model`` (a transformers model, or None for a tokenizer-only file) as a GGUF file; GGUF
+    tensor names in ``skip`` are left out of the model's (``extra_tensors`` then gives them)."""
     path = Path(path)
     types = TYPES if types is None else types
     w = gguf.GGUFWriter(str(path), arch)
@@ -153,6 +154,8 @@ def write(path, model=None, *, arch="llama", tokenizer="gpt2", pre="default", ty
                 continue
             name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             assert name is not None, hf_name
+            if name in skip:
+                continue
             a = p.detach().numpy().astype(np.float32)
             if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
                 a = permute(a, c.num_attention_heads if ".q_proj." in hf_name else c.num_key_value_heads)
