@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from .common import add_model, load
 
@@ -28,6 +29,8 @@ def parameter_count(model) -> int:
         layer = quantized.get(owner)
         if layer is None:
             total += array.size
+        elif leaf == "weight" and hasattr(layer, "ggml_type"):   # GGML blocks: rows x values per row
+            total += array.shape[0] * array.shape[-1] // layer.qtype.type_size * layer.qtype.block_size
         elif leaf == "weight":
             total += array.size * 32 // layer.bits
         elif leaf not in ("scales", "biases"):
@@ -44,8 +47,10 @@ def describe(path) -> dict:
     from ..quantization import config_of, eligible_layers, quantized_layers
 
     model, _ = load(path, tokenizer=False, quiet=True)
-    floats = sorted({dtype_name(a.dtype) for a in model.named_parameters().values()
-                     if mx.issubdtype(a.dtype, mx.floating)})
+    quantized = dict(quantized_layers(model))
+    floats = sorted({dtype_name(a.dtype) for name, a in model.named_parameters().items()
+                     if mx.issubdtype(a.dtype, mx.floating)
+                     and not (name.rpartition(".")[0] in quantized and name.endswith((".scales", ".biases")))})
     facts = {
         "model": str(path),
         "architecture": model.architecture,
@@ -61,9 +66,12 @@ def describe(path) -> dict:
     }
     q = config_of(model)
     if q is not None:
-        facts["quantization"] = {"bits": q["bits"], "group_size": q["group_size"], "mode": q["mode"],
-                                 "quantized_layers": len(quantized_layers(model)),
-                                 "float_layers": len(eligible_layers(model))}
+        layers = quantized_layers(model)
+        ggml_types = Counter(m.ggml_type for _, m in layers if hasattr(m, "ggml_type"))
+        affine = len(layers) - sum(ggml_types.values())
+        facts["quantization"] = {"bits": q["bits"] if affine else None, "group_size": q["group_size"] if affine else None,
+                                 "mode": q["mode"] if affine else None, "quantized_layers": len(layers),
+                                 "float_layers": len(eligible_layers(model)), "ggml_types": dict(sorted(ggml_types.items()))}
     try:
         tok = load_tokenizer(path)
     except FileNotFoundError:
@@ -79,7 +87,9 @@ def format_facts(facts: dict) -> str:
     if q is None:
         weights = facts["dtype"] or "no float parameters"
     else:
-        weights = (f"{q['bits']}-bit {q['mode']}, group size {q['group_size']} ({q['quantized_layers']} layers"
+        kinds = [f"{q['bits']}-bit {q['mode']}, group size {q['group_size']}"] if q["bits"] else []
+        kinds += [f"GGML {', '.join(f'{t} x{n}' for t, n in q['ggml_types'].items())}"] if q["ggml_types"] else []
+        weights = ("; ".join(kinds) + f" ({q['quantized_layers']} layers"
                    + (f"; {q['float_layers']} kept in float" if q["float_layers"] else "") + ")"
                    + (f"; other parameters {facts['dtype']}" if facts["dtype"] else ""))
     rows = [
