@@ -21,6 +21,7 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 
+#include "ggml.h"
 #include "im2col.h"
 #include "kernels.h"
 #include "primitive.h"
@@ -762,6 +763,7 @@ NB_MODULE(_fastmath, m) {
   m.def("get_force_scalar", []() {
     return metalnn_fastmath::force_scalar_flag();
   });
+  register_ggml(m);
   register_im2col(m);
   register_qmatmul(m);
   register_train_ops(m);

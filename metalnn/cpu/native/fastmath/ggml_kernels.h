@@ -1,0 +1,790 @@
+// Products with GGML-packed matrices on the CPU (float32 math) and their dequantization.
+//
+// W [N, K] is stored as rows of blocks (ggml_types.h). Three ways to compute out = x @ W.T:
+//
+// * Registers (AVX2+FMA, the common types, a few input rows): each block's quantized values are
+//   decoded 32 at a time into one register of int8 (the "chunk": the values' integer levels, with
+//   any constant offset of the format already subtracted), widened to float and multiplied into
+//   the input rows; the sub-block scales multiply those partial sums, and the formats with a
+//   minimum add bias * (sum of the input over the sub-block), so the inner loop is decode + FMA.
+// * Decoded rows (every type, more input rows): a few weight rows are dequantized into a small
+//   buffer (exactly as `dequantize` writes them) and multiplied as a float tile, so the decoding
+//   is paid once for all the input rows.
+// * Portable: the decoded-rows product in plain C++ (no x86, or the AVX2 kernels switched off).
+//
+// Dequantize writes the same floats as the MLX decoders of metalnn/ggml: scale * q (+ bias) with
+// one rounding for the product and one for the sum, in both the AVX2 and the portable path.
+//
+// Every AVX2 routine has per-function target attributes (the translation unit needs no -march)
+// and is chosen at run time (`use_avx2`).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ggml_types.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define METALNN_GGML_X86 1
+#include <immintrin.h>
+#else
+#define METALNN_GGML_X86 0
+#endif
+
+namespace metalnn_ggml {
+
+inline bool cpu_has_avx2() {
+#if METALNN_GGML_X86
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Switch for tests and benchmarks: run the portable kernels even where AVX2 is available.
+inline std::atomic<bool>& force_scalar_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+
+// Input rows up to which the register kernels run (above: the decoded-rows product).
+inline std::atomic<int>& register_rows_setting() {
+  static std::atomic<int> rows{8};
+  return rows;
+}
+
+inline bool use_avx2() {
+  return cpu_has_avx2() && !force_scalar_flag().load();
+}
+
+// One product out [M, N] = x [M, K] @ W.T (x float32 row-contiguous).
+struct MatmulArgs {
+  const TypeInfo* type;
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t N, K, M;
+  const float* x;  // [M, K]
+  const float* xsum;  // [M, K / sub] sums of x over each sub-block (formats with a minimum)
+  int64_t sub;  // values a sub-block (0: no sums)
+  float* out;  // [M, N]
+  int64_t row_bytes() const {
+    return K / type->block * type->size;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Portable path
+// ---------------------------------------------------------------------------
+
+inline void decode_row_portable(const TypeInfo& t, const uint8_t* row, int64_t K, float* y) {
+  const BlockDecoder dec = portable_decoder(t.id);
+  for (int64_t b = 0, nb = K / t.block; b < nb; ++b) dec(row + b * t.size, y + b * t.block);
+}
+
+inline float dot_portable(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void matmul_rows_portable(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  std::vector<float> buf(static_cast<size_t>(a.K));
+  const int64_t rb = a.row_bytes();
+  for (int64_t r = r0; r < r1; ++r) {
+    decode_row_portable(*a.type, a.w + r * rb, a.K, buf.data());
+    for (int64_t m = 0; m < a.M; ++m) a.out[m * a.N + r] = dot_portable(buf.data(), a.x + m * a.K, a.K);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// AVX2 + FMA path
+// ---------------------------------------------------------------------------
+#if METALNN_GGML_X86
+
+#define GGML_TARGET __attribute__((target("avx2,fma,f16c")))
+#define GGML_INLINE GGML_TARGET inline __attribute__((always_inline))
+
+GGML_INLINE float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+GGML_INLINE float h2f(const uint8_t* p) {
+  return _cvtsh_ss(rd16(p));
+}
+
+GGML_INLINE __m256i load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+GGML_INLINE __m128i load128(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// 16 bytes of the legacy nibble layout -> 32 values 0..15 (value j: low nibble of byte j; j + 16:
+// high nibble).
+GGML_INLINE __m256i nibbles_32(const uint8_t* p) {
+  const __m128i v = load128(p);
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// The 32 bits of a u32 as 32 bytes: 0xFF where the bit is set.
+GGML_INLINE __m256i bits_to_bytes(uint32_t x) {
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// A 16-entry int8 table in both lanes (for _mm256_shuffle_epi8).
+GGML_INLINE __m256i table16(const int8_t* t) {
+  return _mm256_broadcastsi128_si256(load128(reinterpret_cast<const uint8_t*>(t)));
+}
+
+// ---------------------------------------------------------------------------
+// The formats, as chunks of 32 int8 levels. Each type gives
+//   QK, TS           block_size and type_size
+//   SUB              values per scale (16, 32, or the whole block)
+//   MIN              whether values carry a bias (a minimum) per sub-block
+//   params(b, sc, bias)      the sub-block scales and biases (the floats the MLX decoder uses)
+//   chunks(b, sink)          sink(q, i) for each 32 values 32 i .. 32 i + 31 (int8 levels in q),
+//                            or sink.mem(p, i) with the 32 int8 levels at p
+// value = sc[s] * q (+ bias[s]).
+// ---------------------------------------------------------------------------
+
+struct FQ4_0 {
+  static constexpr int QK = 32, TS = 18, SUB = 32;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    sc[0] = h2f(b);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    s(_mm256_sub_epi8(nibbles_32(b + 2), _mm256_set1_epi8(8)), 0);
+  }
+};
+
+struct FQ4_1 {
+  static constexpr int QK = 32, TS = 20, SUB = 32;
+  static constexpr bool MIN = true;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float* bias) {
+    sc[0] = h2f(b);
+    bias[0] = h2f(b + 2);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    s(nibbles_32(b + 4), 0);
+  }
+};
+
+struct FQ5_0 {
+  static constexpr int QK = 32, TS = 22, SUB = 32;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    sc[0] = h2f(b);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    // q - 16 as int8: the nibble where the fifth bit is set, else the nibble with 0xF0 set
+    const __m256i hb = bits_to_bytes(rd32(b + 2));
+    s(_mm256_or_si256(nibbles_32(b + 6), _mm256_andnot_si256(hb, _mm256_set1_epi8(static_cast<char>(0xF0)))), 0);
+  }
+};
+
+struct FQ5_1 {
+  static constexpr int QK = 32, TS = 24, SUB = 32;
+  static constexpr bool MIN = true;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float* bias) {
+    sc[0] = h2f(b);
+    bias[0] = h2f(b + 2);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    const __m256i hb = bits_to_bytes(rd32(b + 4));
+    s(_mm256_or_si256(nibbles_32(b + 8), _mm256_and_si256(hb, _mm256_set1_epi8(0x10))), 0);
+  }
+};
+
+struct FQ8_0 {
+  static constexpr int QK = 32, TS = 34, SUB = 32;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    sc[0] = h2f(b);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    s.mem(reinterpret_cast<const int8_t*>(b + 2), 0);
+  }
+};
+
+struct FIQ4_NL {
+  static constexpr int QK = 32, TS = 18, SUB = 32;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    sc[0] = h2f(b);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    s(_mm256_shuffle_epi8(table16(kValuesIQ4NL), nibbles_32(b + 2)), 0);
+  }
+};
+
+struct FMXFP4 {
+  static constexpr int QK = 32, TS = 17, SUB = 32;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    sc[0] = e8m0_half(b[0]);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    s(_mm256_shuffle_epi8(table16(kValuesMXFP4), nibbles_32(b + 1)), 0);
+  }
+};
+
+// Bits [2s, 2s + 2) of each byte of v.
+GGML_INLINE __m256i crumbs(__m256i v, int s) {
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
+}
+
+struct FQ2_K {
+  static constexpr int QK = 256, TS = 84, SUB = 16;
+  static constexpr bool MIN = true;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float* bias) {
+    const __m128i raw = load128(b);
+    const __m256 d = _mm256_set1_ps(h2f(b + 80)), dmin = _mm256_set1_ps(h2f(b + 82));
+    const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i l8 = h ? _mm_srli_si128(lo, 8) : lo, m8 = h ? _mm_srli_si128(hi, 8) : hi;
+      _mm256_storeu_ps(sc + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l8))));
+      const __m256 ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
+      _mm256_storeu_ps(bias + 8 * h, _mm256_xor_ps(ml, sign));
+    }
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load256(b + 16 + 32 * h);
+      for (int k = 0; k < 4; ++k) s(crumbs(v, k), 4 * h + k);
+    }
+  }
+};
+
+struct FQ3_K {
+  static constexpr int QK = 256, TS = 110, SUB = 16;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    params_q3k(b, sc);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    const __m256i hm = load256(b);
+    const __m256i four = _mm256_set1_epi8(4);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load256(b + 32 + 32 * h);
+      for (int k = 0; k < 4; ++k) {
+        const int i = 4 * h + k;
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << i));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+        s(_mm256_sub_epi8(crumbs(v, k), _mm256_andnot_si256(set, four)), i);
+      }
+    }
+  }
+};
+
+GGML_INLINE void params_k4_avx2(const uint8_t* b, float* sc, float* bias) {
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_lo = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[0] &= k1;
+  u[2] = mins_lo;
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // scales[8], mins[8]
+  const __m256 d = _mm256_set1_ps(h2f(b)), dmin = _mm256_set1_ps(h2f(b + 2));
+  _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw))));
+  const __m256 ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))));
+  _mm256_storeu_ps(bias, _mm256_xor_ps(ml, _mm256_set1_ps(-0.0f)));
+}
+
+struct FQ4_K {
+  static constexpr int QK = 256, TS = 144, SUB = 32;
+  static constexpr bool MIN = true;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float* bias) {
+    params_k4_avx2(b, sc, bias);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load256(b + 16 + 32 * c);
+      s(_mm256_and_si256(v, m4), 2 * c);
+      s(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 2 * c + 1);
+    }
+  }
+};
+
+// Bit i of each byte moved to bit 4 (other bits of the bytes are left over: mask with 0x10). The
+// 16-bit shifts by at most 4 bring bit 4 of each byte from the same byte.
+GGML_INLINE __m256i bit_to_4(__m256i v, int i) {
+  return i <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - i)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(i - 4));
+}
+
+struct FQ5_K {
+  static constexpr int QK = 256, TS = 176, SUB = 32;
+  static constexpr bool MIN = true;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float* bias) {
+    params_k4_avx2(b, sc, bias);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
+    const __m256i qh = load256(b + 16);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load256(b + 48 + 32 * c);
+      s(_mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(bit_to_4(qh, 2 * c), m16)), 2 * c);
+      s(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(bit_to_4(qh, 2 * c + 1), m16)),
+        2 * c + 1);
+    }
+  }
+};
+
+struct FQ6_K {
+  static constexpr int QK = 256, TS = 210, SUB = 16;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    const __m256 d = _mm256_set1_ps(h2f(b + 208));
+    const __m128i raw = load128(b + 192);
+    _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
+    _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)))));
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load256(b + 64 * h), l1 = load256(b + 64 * h + 32);
+      const __m256i qh = load256(b + 128 + 32 * h);
+      // values 128 h + 32 t + j: nibble t / 2 of ql[64 h + 32 (t % 2) + j], bits 2t of qh[32 h + j]
+      const __m256i hi0 = _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30);
+      const __m256i hi1 = _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30);
+      const __m256i hi2 = _mm256_and_si256(qh, m30);
+      const __m256i hi3 = _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30);
+      s(_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m4), hi0), off), 4 * h);
+      s(_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m4), hi1), off), 4 * h + 1);
+      s(_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi2), off), 4 * h + 2);
+      s(_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi3), off), 4 * h + 3);
+    }
+  }
+};
+
+struct FIQ4_XS {
+  static constexpr int QK = 256, TS = 136, SUB = 32;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    params_iq4xs(b, sc);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    const __m256i t = table16(kValuesIQ4NL);
+    for (int i = 0; i < 8; ++i) s(_mm256_shuffle_epi8(t, nibbles_32(b + 8 + 16 * i)), i);
+  }
+};
+
+struct FTQ2_0 {
+  static constexpr int QK = 256, TS = 66, SUB = 256;
+  static constexpr bool MIN = false;
+  GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
+    sc[0] = h2f(b + 64);
+  }
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    const __m256i one = _mm256_set1_epi8(1);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load256(b + 32 * h);
+      for (int k = 0; k < 4; ++k) s(_mm256_sub_epi8(crumbs(v, k), one), 4 * h + k);
+    }
+  }
+};
+
+// The int8 levels of a chunk as four vectors of 8 floats.
+GGML_INLINE void widen(__m256i q, __m256* f) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+  f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+GGML_INLINE void widen_mem(const int8_t* p, __m256* f) {
+  for (int v = 0; v < 4; ++v)
+    f[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v))));
+}
+
+// Sink of the register product: acc[m] += sc * (chunk . x_m) for MB input rows.
+template <class T, int MB>
+struct DotSink {
+  const float* x;  // the block's first value in input row 0
+  int64_t ldx;
+  const float* sc;
+  __m256 acc[MB];
+
+  GGML_INLINE void add(const __m256* f, int i) {
+    const float* xc = x + 32 * i;
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = xc + m * ldx;
+      if constexpr (T::SUB == 16) {
+        __m256 s0 = _mm256_mul_ps(f[0], _mm256_loadu_ps(xm));
+        __m256 s1 = _mm256_mul_ps(f[2], _mm256_loadu_ps(xm + 16));
+        s0 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xm + 8), s0);
+        s1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xm + 24), s1);
+        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 2 * i), s0, acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 2 * i + 1), s1, acc[m]);
+      } else {
+        __m256 s0 = _mm256_mul_ps(f[0], _mm256_loadu_ps(xm));
+        __m256 s1 = _mm256_mul_ps(f[1], _mm256_loadu_ps(xm + 8));
+        s0 = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xm + 16), s0);
+        s1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xm + 24), s1);
+        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + (32 * i) / T::SUB), _mm256_add_ps(s0, s1), acc[m]);
+      }
+    }
+  }
+  GGML_INLINE void operator()(__m256i q, int i) {
+    __m256 f[4];
+    widen(q, f);
+    add(f, i);
+  }
+  GGML_INLINE void mem(const int8_t* p, int i) {
+    __m256 f[4];
+    widen_mem(p, f);
+    add(f, i);
+  }
+};
+
+// out[m * ldo] = row . x_m for MB input rows (xs: their sub-block sums, for the formats with a bias).
+template <class T, int MB>
+GGML_TARGET void dot_row_avx2(const uint8_t* row, int64_t nblocks, const float* x, int64_t ldx, const float* xs,
+                              int64_t ldxs, float* out, int64_t ldo) {
+  constexpr int NS = T::QK / T::SUB;
+  DotSink<T, MB> sink;
+  alignas(32) float sc[NS], bias[NS];
+  sink.ldx = ldx;
+  sink.sc = sc;
+  __m256 bacc[MB];
+  float bsum[MB];
+  for (int m = 0; m < MB; ++m) {
+    sink.acc[m] = _mm256_setzero_ps();
+    bacc[m] = _mm256_setzero_ps();
+    bsum[m] = 0.0f;
+  }
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = row + b * T::TS;
+    T::params(p, sc, bias);
+    sink.x = x + b * T::QK;
+    T::chunks(p, sink);
+    if constexpr (T::MIN) {
+      const float* xb = xs + b * NS;
+      for (int m = 0; m < MB; ++m) {
+        if constexpr (NS % 8 == 0) {
+          for (int v = 0; v < NS; v += 8)
+            bacc[m] = _mm256_fmadd_ps(_mm256_load_ps(bias + v), _mm256_loadu_ps(xb + m * ldxs + v), bacc[m]);
+        } else {
+          for (int v = 0; v < NS; ++v) bsum[m] += bias[v] * xb[m * ldxs + v];
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    float r = hsum(sink.acc[m]);
+    if constexpr (T::MIN) r += hsum(bacc[m]) + bsum[m];
+    out[m * ldo] = r;
+  }
+}
+
+template <class T>
+GGML_TARGET void matmul_rows_registers(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  const int64_t rb = a.row_bytes(), nb = a.K / T::QK;
+  const int64_t ldxs = a.sub ? a.K / a.sub : 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = a.w + r * rb;
+    if (r + 2 < r1) _mm_prefetch(reinterpret_cast<const char*>(a.w + (r + 2) * rb), _MM_HINT_T0);
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4)
+      dot_row_avx2<T, 4>(row, nb, a.x + m * a.K, a.K, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+    switch (a.M - m) {
+      case 3:
+        dot_row_avx2<T, 3>(row, nb, a.x + m * a.K, a.K, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+        break;
+      case 2:
+        dot_row_avx2<T, 2>(row, nb, a.x + m * a.K, a.K, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+        break;
+      case 1:
+        dot_row_avx2<T, 1>(row, nb, a.x + m * a.K, a.K, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+        break;
+    }
+  }
+}
+
+// Sink of the exact dequantization: y = sc * q (+ bias), rounded as the MLX decoder rounds.
+template <class T>
+struct DequantSink {
+  float* y;
+  const float* sc;
+  const float* bias;
+
+  GGML_INLINE void add(const __m256* f, int i) {
+    for (int v = 0; v < 4; ++v) {
+      const int s = (32 * i + 8 * v) / T::SUB;
+      __m256 t = _mm256_mul_ps(_mm256_broadcast_ss(sc + s), f[v]);
+      if constexpr (T::MIN) t = _mm256_add_ps(t, _mm256_broadcast_ss(bias + s));
+      _mm256_storeu_ps(y + 32 * i + 8 * v, t);
+    }
+  }
+  GGML_INLINE void operator()(__m256i q, int i) {
+    __m256 f[4];
+    widen(q, f);
+    add(f, i);
+  }
+  GGML_INLINE void mem(const int8_t* p, int i) {
+    __m256 f[4];
+    widen_mem(p, f);
+    add(f, i);
+  }
+};
+
+template <class T>
+GGML_TARGET void decode_row_fast(const uint8_t* row, int64_t K, float* y) {
+  constexpr int NS = T::QK / T::SUB;
+  alignas(32) float sc[NS], bias[NS];
+  DequantSink<T> sink;
+  sink.sc = sc;
+  sink.bias = bias;
+  for (int64_t b = 0, nb = K / T::QK; b < nb; ++b) {
+    const uint8_t* p = row + b * T::TS;
+    T::params(p, sc, bias);
+    sink.y = y + b * T::QK;
+    T::chunks(p, sink);
+  }
+}
+
+// Calls F::template run<Fast type>(args...) for the types with a register kernel; false otherwise.
+template <class F, class... Args>
+bool dispatch_fast(int id, Args&&... args) {
+  switch (id) {
+    case kQ4_0:
+      F::template run<FQ4_0>(args...);
+      return true;
+    case kQ4_1:
+      F::template run<FQ4_1>(args...);
+      return true;
+    case kQ5_0:
+      F::template run<FQ5_0>(args...);
+      return true;
+    case kQ5_1:
+      F::template run<FQ5_1>(args...);
+      return true;
+    case kQ8_0:
+      F::template run<FQ8_0>(args...);
+      return true;
+    case kQ2_K:
+      F::template run<FQ2_K>(args...);
+      return true;
+    case kQ3_K:
+      F::template run<FQ3_K>(args...);
+      return true;
+    case kQ4_K:
+      F::template run<FQ4_K>(args...);
+      return true;
+    case kQ5_K:
+      F::template run<FQ5_K>(args...);
+      return true;
+    case kQ6_K:
+      F::template run<FQ6_K>(args...);
+      return true;
+    case kIQ4_NL:
+      F::template run<FIQ4_NL>(args...);
+      return true;
+    case kIQ4_XS:
+      F::template run<FIQ4_XS>(args...);
+      return true;
+    case kMXFP4:
+      F::template run<FMXFP4>(args...);
+      return true;
+    case kTQ2_0:
+      F::template run<FTQ2_0>(args...);
+      return true;
+  }
+  return false;
+}
+
+struct DecodeRowFast {
+  template <class T>
+  static void run(const uint8_t* row, int64_t K, float* y) {
+    decode_row_fast<T>(row, K, y);
+  }
+};
+
+struct MatmulRegisters {
+  template <class T>
+  static void run(const MatmulArgs& a, int64_t r0, int64_t r1) {
+    matmul_rows_registers<T>(a, r0, r1);
+  }
+};
+
+// Values per sub-block sum the register kernel of a type reads (0: none).
+inline int64_t bias_sub(int id) {
+  switch (id) {
+    case kQ4_1:
+    case kQ5_1:
+    case kQ4_K:
+    case kQ5_K:
+      return 32;
+    case kQ2_K:
+      return 16;
+  }
+  return 0;
+}
+
+inline bool has_register_kernel(int id) {
+  switch (id) {
+    case kQ4_0:
+    case kQ4_1:
+    case kQ5_0:
+    case kQ5_1:
+    case kQ8_0:
+    case kQ2_K:
+    case kQ3_K:
+    case kQ4_K:
+    case kQ5_K:
+    case kQ6_K:
+    case kIQ4_NL:
+    case kIQ4_XS:
+    case kMXFP4:
+    case kTQ2_0:
+      return true;
+  }
+  return false;
+}
+
+// out[r, m] for NR decoded weight rows (w, K apart) and MB input rows: a float tile.
+template <int NR, int MB>
+GGML_TARGET void tile_dot(const float* w, const float* x, int64_t K, float* out, int64_t N) {
+  __m256 acc[NR][MB];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < NR; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MB; ++m) out[m * N + r] = hsum(acc[r][m]);
+}
+
+template <int NR>
+GGML_TARGET void tile_rows(const float* w, const MatmulArgs& a, int64_t r) {
+  int64_t m = 0;
+  for (; m + 3 <= a.M; m += 3) tile_dot<NR, 3>(w, a.x + m * a.K, a.K, a.out + m * a.N + r, a.N);
+  if (a.M - m == 2) tile_dot<NR, 2>(w, a.x + m * a.K, a.K, a.out + m * a.N + r, a.N);
+  if (a.M - m == 1) tile_dot<NR, 1>(w, a.x + m * a.K, a.K, a.out + m * a.N + r, a.N);
+}
+
+inline void decode_row_avx2(const TypeInfo& t, const uint8_t* row, int64_t K, float* y) {
+  if (!dispatch_fast<DecodeRowFast>(t.id, row, K, y)) decode_row_portable(t, row, K, y);
+}
+
+// The decoded-rows product for the weight rows [r0, r1).
+GGML_TARGET inline void matmul_rows_decoded_avx2(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  constexpr int R = 4;
+  std::vector<float> buf(static_cast<size_t>(R * a.K));
+  const int64_t rb = a.row_bytes();
+  for (int64_t r = r0; r < r1; r += R) {
+    const int nr = static_cast<int>(std::min<int64_t>(R, r1 - r));
+    for (int i = 0; i < nr; ++i) decode_row_avx2(*a.type, a.w + (r + i) * rb, a.K, buf.data() + i * a.K);
+    switch (nr) {
+      case 4:
+        tile_rows<4>(buf.data(), a, r);
+        break;
+      case 3:
+        tile_rows<3>(buf.data(), a, r);
+        break;
+      case 2:
+        tile_rows<2>(buf.data(), a, r);
+        break;
+      case 1:
+        tile_rows<1>(buf.data(), a, r);
+        break;
+    }
+  }
+}
+
+#endif  // METALNN_GGML_X86
+
+// ---------------------------------------------------------------------------
+// Range drivers (one call per thread chunk)
+// ---------------------------------------------------------------------------
+
+// Whether the register kernel runs a product of M input rows of type id.
+inline bool uses_registers(int id, int64_t M, bool avx2) {
+  return avx2 && has_register_kernel(id) && M <= register_rows_setting().load();
+}
+
+// out[m, r] = W[r] . x_m for the weight rows [r0, r1).
+inline void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, bool avx2) {
+#if METALNN_GGML_X86
+  if (avx2) {
+    if (uses_registers(a.type->id, a.M, avx2)) {
+      dispatch_fast<MatmulRegisters>(a.type->id, a, r0, r1);
+      return;
+    }
+    matmul_rows_decoded_avx2(a, r0, r1);
+    return;
+  }
+#endif
+  (void)avx2;
+  matmul_rows_portable(a, r0, r1);
+}
+
+// out[r] = the decoded row r (K floats) for the rows [r0, r1).
+inline void dequantize_rows(const TypeInfo& t, const uint8_t* w, int64_t K, float* out, int64_t r0, int64_t r1,
+                            bool avx2) {
+  const int64_t rb = K / t.block * t.size;
+#if METALNN_GGML_X86
+  if (avx2) {
+    for (int64_t r = r0; r < r1; ++r) decode_row_avx2(t, w + r * rb, K, out + r * K);
+    return;
+  }
+#endif
+  (void)avx2;
+  for (int64_t r = r0; r < r1; ++r) decode_row_portable(t, w + r * rb, K, out + r * K);
+}
+
+// Sums of each input row over sub-blocks of `sub` values: xs[m, K / sub].
+inline void sub_block_sums(const float* x, int64_t M, int64_t K, int64_t sub, float* xs) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t s = 0; s < K / sub; ++s) {
+      const float* p = x + m * K + s * sub;
+      float t = 0.0f;
+      for (int64_t i = 0; i < sub; ++i) t += p[i];
+      xs[m * (K / sub) + s] = t;
+    }
+}
+
+}  // namespace metalnn_ggml
