@@ -43,9 +43,11 @@ def _arrays():
         return mx.array(rng.standard_normal(shape).astype(np.float32))
 
     w, s, b = mx.quantize(a(64, 64), group_size=64, bits=4)
+    # 8 rows of two 18-byte blocks: a packed weight of K = 64 read as Q4_0 or as IQ4_NL alike
+    wg = mx.array(rng.integers(0, 256, size=(8, 36), dtype=np.uint8))
     arrays = {
         "x": a(2, 3, 8, 16), "g": a(2, 3, 8, 16), "w16": a(16), "image": a(2, 3, 9), "cols": a(2, 12, 3),
-        "xq": a(3, 64), "wq": w, "sq": s, "bq": b,
+        "xq": a(3, 64), "wq": w, "sq": s, "bq": b, "wg": wg,
         "logits": a(6, 10), "targets": mx.array([0, 3, 9, 1, 2, 5]), "g6": a(6), "scores": a(2, 8, 8),
         "p": a(4, 8), "gp": a(4, 8), "m": a(4, 8), "v": mx.abs(a(4, 8)), "lr": mx.array(1e-3), "step": mx.array(3.0),
     }
@@ -70,6 +72,8 @@ def _cases(ext):
     qmm = dict(group_size=64, bits=4)
     # the same packed weight and scales read as 8-bit values in groups of 32 (x @ W: x fits either)
     qmm_bits = {"bits": {"group_size": 32, "bits": 8}}
+    # the same packed bytes read as another GGML type of the same block layout (Q4_0 -> IQ4_NL)
+    ggml_type = {"type": {"type_id": 20}}
     rope = dict(dims=16, traditional=False, base=10000.0, scale=1.0, offset=0)
     softmax = dict(scale=0.5, causal=True, q_len=8, offset=0)
     adam = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, bias_correction=True)
@@ -89,6 +93,10 @@ def _cases(ext):
                                   {"transpose": {"transpose": True}, **qmm_bits}),
         "AffineDequantize": ("AffineDequantize", lambda **p: lambda *a: ext.dequantize(*a, **p), ["wq", "sq", "bq"],
                              qmm, qmm_bits),
+        "GGMLMatmul": ("GGMLMatmul", lambda type_id: lambda x, w: ext.ggml_matmul(x, w, type_id), ["xq", "wg"],
+                       {"type_id": 2}, ggml_type),
+        "GGMLDequantize": ("GGMLDequantize", lambda type_id: lambda w: ext.ggml_dequantize(w, type_id), ["wg"],
+                           {"type_id": 2}, ggml_type),
         "RmsNorm": ("MetalnnRMSNorm", lambda eps: lambda t, w: ext.rms_norm(t, w, eps), ["x", "w16"],
                     {"eps": 1e-5}, {"eps": {"eps": 1e-3}}),
         "RmsNormVJP": ("MetalnnRMSNormVJP", lambda eps: _vjp(lambda t, w: ext.rms_norm(t, w, eps), 2),
@@ -118,13 +126,14 @@ def _cases(ext):
 
 
 CASE_NAMES = ["FastUnary", "FastUnaryGrad", "FastSoftmax", "FastSoftmaxGrad", "Im2Col", "Col2Im",
-              "AffineQuantizedMatmul", "AffineDequantize", "RmsNorm", "RmsNormVJP", "Rope", "Gated", "GatedVJP",
-              "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP", "LayoutCopy", "AdamWUpdate"]
+              "AffineQuantizedMatmul", "AffineDequantize", "GGMLMatmul", "GGMLDequantize", "RmsNorm", "RmsNormVJP",
+              "Rope", "Gated", "GatedVJP", "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP", "LayoutCopy", "AdamWUpdate"]
 VARIED = [(name, field) for name, fields in [
     ("FastUnary", ["kind"]), ("FastUnaryGrad", ["kind"]),
     ("Im2Col", ["kernel", "stride", "padding", "dilation"]),
     ("Col2Im", ["output_size", "kernel", "stride", "padding", "dilation"]),
     ("AffineQuantizedMatmul", ["transpose", "bits"]), ("AffineDequantize", ["bits"]),
+    ("GGMLMatmul", ["type"]), ("GGMLDequantize", ["type"]),
     ("RmsNorm", ["eps"]), ("RmsNormVJP", ["eps"]),
     ("Rope", ["dims", "traditional", "inv_freq", "scale", "offset"]),
     ("Gated", ["kind"]), ("GatedVJP", ["kind"]), ("CrossEntropy", ["label_smoothing"]),
@@ -169,7 +178,7 @@ def test_every_primitive_is_covered(ext):
     """Each primitive declares its name and is_equivalent through METALNN_PRIMITIVE, and has a case here."""
     sources = "".join(p.read_text() for p in sorted(SOURCES.glob("*.cpp")))
     assert "is_equivalent" not in sources
-    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 19
+    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 21
     assert list(_cases(ext)) == CASE_NAMES
 
 

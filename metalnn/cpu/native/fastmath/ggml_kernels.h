@@ -79,6 +79,41 @@ struct MatmulArgs {
   }
 };
 
+// Values per sub-block sum the register kernel of a type reads (0: none).
+inline int64_t bias_sub(int id) {
+  switch (id) {
+    case kQ4_1:
+    case kQ5_1:
+    case kQ4_K:
+    case kQ5_K:
+      return 32;
+    case kQ2_K:
+      return 16;
+  }
+  return 0;
+}
+
+inline bool has_register_kernel(int id) {
+  switch (id) {
+    case kQ4_0:
+    case kQ4_1:
+    case kQ5_0:
+    case kQ5_1:
+    case kQ8_0:
+    case kQ2_K:
+    case kQ3_K:
+    case kQ4_K:
+    case kQ5_K:
+    case kQ6_K:
+    case kIQ4_NL:
+    case kIQ4_XS:
+    case kMXFP4:
+    case kTQ2_0:
+      return true;
+  }
+  return false;
+}
+
 // ---------------------------------------------------------------------------
 // Portable path
 // ---------------------------------------------------------------------------
@@ -644,41 +679,6 @@ struct MatmulRegisters {
     matmul_rows_registers<T>(a, r0, r1);
   }
 };
-
-// Values per sub-block sum the register kernel of a type reads (0: none).
-inline int64_t bias_sub(int id) {
-  switch (id) {
-    case kQ4_1:
-    case kQ5_1:
-    case kQ4_K:
-    case kQ5_K:
-      return 32;
-    case kQ2_K:
-      return 16;
-  }
-  return 0;
-}
-
-inline bool has_register_kernel(int id) {
-  switch (id) {
-    case kQ4_0:
-    case kQ4_1:
-    case kQ5_0:
-    case kQ5_1:
-    case kQ8_0:
-    case kQ2_K:
-    case kQ3_K:
-    case kQ4_K:
-    case kQ5_K:
-    case kQ6_K:
-    case kIQ4_NL:
-    case kIQ4_XS:
-    case kMXFP4:
-    case kTQ2_0:
-      return true;
-  }
-  return false;
-}
 
 // out[r, m] for NR decoded weight rows (w, K apart) and MB input rows: a float tile.
 template <int NR, int MB>

@@ -1,0 +1,129 @@
+"""Products with weights packed in a GGML tensor type, fast on the CPU: `matmul`, `dequantize`.
+
+A packed weight ``W`` ``[N, K]`` is ``uint8 [N, K / block_size * type_size]``: each row its blocks of
+the type (`metalnn.ggml`), as a GGUF file stores it. On CPU streams both functions run as native MLX
+primitives of metalnn's extension (``metalnn.cpu._fastmath``, built from
+``metalnn/cpu/native/fastmath/ggml.cpp``), for every block type of `metalnn.ggml` (all but F32, F16
+and BF16):
+
+* `matmul` decodes the blocks in registers and multiplies in float32, multi-threaded over the rows
+  of ``W`` (``METALNN_NUM_THREADS`` / `metalnn.cpu.im2col.set_num_threads` cap the threads). The
+  legacy types, the K-quants, IQ4_NL, IQ4_XS, MXFP4 and TQ2_0 have AVX2+FMA kernels chosen at run
+  time (a few input rows: 32 values at a time as int8 levels, widened to float, the sub-block scales
+  applied to the partial sums; more rows: a few weight rows decoded to a float tile shared by all the
+  input rows); the i-quant codebook types and TQ1_0 decode a block at a time into a buffer; elsewhere
+  portable C++ runs. The result is ``x @ dequantize(W).T`` up to the order of the float32 sums.
+* `dequantize` gives the same floats as the type's MLX decoder (`metalnn.ggml.GGMLType.decode`),
+  bit for bit, threaded over rows.
+
+`matmul` works under ``mx.grad`` / ``mx.vjp`` (the input gradient ``g @ W`` is MLX's matmul with the
+dequantized weight, decoded again in the backward pass; the packed weight gets a zero gradient, it is
+not trainable), ``mx.jvp``, ``mx.vmap`` over ``x`` and ``mx.compile``.
+
+For many rows of ``x`` a BLAS product with the dequantized weight is faster: `MATMUL_MAX_ROWS` is the
+crossover measured by ``scripts/bench_ggml.py``.
+
+Without the extension (macOS, a failed build, another mlx: see `unavailable_reason`), on a GPU stream,
+or for the float types, both fall back to the type's MLX decoder and an MLX float32 product.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import ggml as _ggml
+from . import native_ext as _native_ext
+from .device import on_cpu
+
+__all__ = ["matmul", "dequantize", "available", "unavailable_reason", "supports", "has_avx2", "native_types",
+           "MATMUL_MAX_ROWS"]
+
+# The loaded extension or None; read at every call (tests swap in None for the fallback).
+_ext = _native_ext.extension()
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+_CPU = mx.DeviceType.cpu
+
+#: Rows of ``x`` (all dims but the last, multiplied) up to which `matmul` is faster than
+#: ``x @ dequantize(W).T`` with MLX's BLAS product; from this many rows on, the dequantized product
+#: wins. Measured with ``scripts/bench_ggml.py`` on SmolLM2-135M's shapes (Q4_K, Q6_K, Q5_0, Q8_0,
+#: IQ4_XS; 1 and 2 threads): the decoded-tile kernel is at par with dequantize + BLAS around 24-48
+#: rows and behind from 64 on.
+MATMUL_MAX_ROWS = 32
+
+
+def available() -> bool:
+    """True when the native primitives are loaded (CPU streams use them)."""
+    return _ext is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (``None`` when it is True)."""
+    return None if _ext is not None else (_native_ext.unavailable_reason() or "replaced by the MLX ops")
+
+
+def has_avx2() -> bool:
+    """True when the AVX2+FMA kernels run (otherwise the portable C++ ones do)."""
+    return _ext is not None and bool(_ext.ggml_has_avx2())
+
+
+def _type(type_name):
+    """The `metalnn.ggml` class of a type name (``"Q4_K"``), GGUF type id or class."""
+    if isinstance(type_name, type) and issubclass(type_name, _ggml.GGMLType):
+        return type_name
+    return _ggml.get_type(type_name)
+
+
+def native_types() -> tuple:
+    """Names of the types the native primitives run (empty without the extension)."""
+    if _ext is None:
+        return ()
+    ids = set(_ext.ggml_type_ids())
+    return tuple(name for name, cls in _ggml.TYPES.items() if cls.type_id in ids)
+
+
+def _on_cpu(stream) -> bool:
+    if stream is None:
+        return on_cpu()
+    device = stream.device if isinstance(stream, mx.Stream) else stream
+    kind = device if isinstance(device, mx.DeviceType) else device.type
+    return kind == _CPU
+
+
+def supports(weight, type_name, x=None, stream=None) -> bool:
+    """Whether the native primitives serve this call (else the MLX decoder does): the extension is
+    loaded, the type is a block type, ``weight`` is ``uint8 [N, whole blocks]``, ``x`` (if given) is
+    float32, float16 or bfloat16 ``[..., K]``, and the stream is a CPU one."""
+    if _ext is None:
+        return False
+    cls = _type(type_name)
+    if cls.block_size == 1 or weight.dtype != mx.uint8 or weight.ndim != 2 or weight.shape[1] % cls.type_size:
+        return False
+    if x is not None:
+        k = weight.shape[1] // cls.type_size * cls.block_size
+        if x.dtype not in _FLOATS or x.ndim < 1 or x.shape[-1] != k:
+            return False
+    return _on_cpu(stream)
+
+
+def matmul(x, weight, type_name, *, stream=None):
+    """``x @ W.T``: ``x`` ``[..., K]`` and ``W`` packed as ``type_name`` (``uint8 [N, row_bytes]``) give
+    ``[..., N]`` in ``x``'s dtype (float32 math). Gradients flow to ``x``."""
+    cls = _type(type_name)
+    if supports(weight, cls, x, stream):
+        y = _ext.ggml_matmul(x, weight, cls.type_id, stream=stream)
+    else:
+        w = cls.decode(weight)
+        y = mx.matmul(x.astype(mx.float32, stream=stream), w.T, stream=stream)
+    return y if x.dtype == mx.float32 else y.astype(x.dtype, stream=stream)
+
+
+def dequantize(weight, type_name, dtype=mx.float32, *, stream=None):
+    """The float matrix ``[N, K]`` of a packed weight ``uint8 [N, row_bytes]`` (in ``dtype``), equal to
+    the type's MLX decoder."""
+    cls = _type(type_name)
+    if supports(weight, cls, None, stream):
+        w = _ext.ggml_dequantize(weight, cls.type_id, stream=stream)
+    else:
+        w = cls.decode(weight)
+    return w if dtype == mx.float32 else w.astype(dtype, stream=stream)

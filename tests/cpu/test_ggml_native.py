@@ -1,0 +1,291 @@
+"""Tests for metalnn.cpu.ggml (native products with GGML-packed weights, dequantize, MLX fallbacks).
+
+References: each type's MLX decoder (`metalnn.ggml.get_type(t).decode`, itself checked bit for bit
+against gguf-py in tests/ggml) and products of its floats in float64 (NumPy) and in float32 (MLX).
+Weights are random valid blocks (random quantized bytes, finite random scales). Every test runs on
+the AVX2 register kernels (1 and 2 threads), the decoded-rows kernels (1 and 3 threads), the portable
+kernels and the MLX-op fallback.
+
+Tolerances: `dequantize` is bit-exact (compared as bits). A product sums K float32 terms in another
+order than the reference (and, in the register kernels, as scale * sum(q x) + bias * sum(x) per
+sub-block), so it is within the float32 summation bound ~K * 2^-24 * sum|x_k w_k| of the exact
+value; the tests allow 4 K * 2^-24 * (|x| @ |W|.T) elementwise (the errors seen are ~100x smaller).
+Half-precision results are that float32 sum rounded once (float16 2^-11, bfloat16 2^-8 relative).
+"""
+
+import io
+import platform
+import sys
+
+import numpy as np
+import pytest
+
+import metalnn.cpu.ggml as cg
+import metalnn.cpu.im2col as ic
+import mlx.core as mx
+from ggml_blocks import random_blocks
+from metalnn import ggml
+from metalnn.ggml import grids
+
+NATIVE_PLATFORM = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+BLOCK_TYPES = sorted(name for name, cls in ggml.TYPES.items() if cls.block_size > 1)
+U = 2.0 ** -24
+REGISTER_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                  "IQ4_XS", "MXFP4", "TQ2_0"}
+
+
+def primitives(*arrays) -> set:
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    return {line.split('label ="', 1)[1].split('"', 1)[0] for line in buf.getvalue().splitlines() if 'label ="' in line}
+
+
+PATHS = ["registers_2threads", "registers_1thread", "decoded_3threads", "decoded_1thread", "portable", "mlx_ops"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    if request.param == "mlx_ops":
+        monkeypatch.setattr(cg, "_ext", None)  # as without the extension
+        yield request.param
+        return
+    if not cg.available():
+        if NATIVE_PLATFORM:
+            pytest.fail(f"native GGML kernels unavailable: {cg.unavailable_reason()}")
+        pytest.skip(f"no native primitives on this platform ({cg.unavailable_reason()})")
+    ext = cg._ext
+    threads = {"registers_1thread": 1, "decoded_3threads": 3, "decoded_1thread": 1}.get(request.param, 2)
+    old = ic.get_num_threads(), ext.ggml_get_force_scalar(), ext.ggml_get_register_rows()
+    ic.set_num_threads(threads)
+    ext.ggml_set_force_scalar(request.param == "portable")
+    ext.ggml_set_register_rows(1 << 20 if request.param.startswith("registers") else 0)
+    try:
+        yield request.param
+    finally:
+        ic.set_num_threads(old[0])
+        ext.ggml_set_force_scalar(old[1])
+        ext.ggml_set_register_rows(old[2])
+
+
+def packed(qtype, rows, blocks, seed=0):
+    """A random valid weight uint8 [rows, blocks * type_size] and its decoded floats (MLX decoder)."""
+    cls = ggml.get_type(qtype)
+    data = random_blocks(qtype, rows * blocks, np.random.default_rng(seed)).reshape(rows, blocks * cls.type_size)
+    w = mx.array(data)
+    return w, np.array(cls.decode(w))
+
+
+def rand(shape, seed):
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+def check_product(y, x, wf, *, scale=1.0):
+    """y ~ x @ wf.T within the float32 summation bound (see the module docstring)."""
+    xn = np.array(x.astype(mx.float32), dtype=np.float64)
+    exact = xn @ wf.astype(np.float64).T
+    bound = 4 * wf.shape[1] * U * (np.abs(xn) @ np.abs(wf.astype(np.float64)).T) * scale + 1e-30
+    got = np.array(y.astype(mx.float32), dtype=np.float64)
+    assert got.shape == exact.shape
+    err = np.abs(got - exact)
+    assert (err <= bound).all(), f"max error {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+
+
+def test_extension_is_built_here():
+    if NATIVE_PLATFORM:
+        assert cg.available(), cg.unavailable_reason()
+        assert cg.has_avx2() == bool(cg._ext.ggml_has_avx2())
+        assert sorted(cg.native_types()) == BLOCK_TYPES
+        ids = set(cg._ext.ggml_register_type_ids())
+        assert {n for n in BLOCK_TYPES if ggml.get_type(n).type_id in ids} == REGISTER_TYPES
+    assert cg.available() == (cg.unavailable_reason() is None)
+
+
+@pytest.mark.parametrize("name,table,dtype", [
+    ("iq2xxs_grid", grids.iq2xxs_grid, np.uint8), ("iq2xs_grid", grids.iq2xs_grid, np.uint8),
+    ("iq2s_grid", grids.iq2s_grid, np.uint8), ("iq3xxs_grid", grids.iq3xxs_grid, np.uint8),
+    ("iq3s_grid", grids.iq3s_grid, np.uint8), ("iq1s_grid", grids.iq1s_grid, np.int8),
+    ("ksigns_iq2xs", grids.ksigns_iq2xs, np.uint8)])
+def test_compiled_tables_equal_metalnn_grids(name, table, dtype):
+    if not cg.available():
+        pytest.skip(cg.unavailable_reason())
+    expected = np.asarray(table())
+    got = np.frombuffer(cg._ext.ggml_table(name), dtype=dtype).reshape(expected.shape)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_compiled_value_tables_equal_metalnn():
+    if not cg.available():
+        pytest.skip(cg.unavailable_reason())
+    from metalnn.ggml import nonlinear
+
+    for name, values in [("kvalues_iq4nl", nonlinear.KVALUES_IQ4NL), ("kvalues_mxfp4", nonlinear.KVALUES_MXFP4)]:
+        assert tuple(np.frombuffer(cg._ext.ggml_table(name), dtype=np.int8)) == values
+    with pytest.raises(ValueError, match="unknown table"):
+        cg._ext.ggml_table("nope")
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_dequantize_is_bit_exact(path, qtype):
+    for rows, blocks in [(1, 1), (5, 3), (2, 7)]:
+        w, wf = packed(qtype, rows, blocks, seed=rows * 10 + blocks)
+        d = cg.dequantize(w, qtype)
+        assert d.dtype == mx.float32 and d.shape == wf.shape
+        np.testing.assert_array_equal(np.array(d).view(np.uint32), wf.view(np.uint32))
+    assert cg.dequantize(w, qtype, mx.float16).dtype == mx.float16
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_products_match_the_decoder(path, qtype):
+    cls = ggml.get_type(qtype)
+    w1, wf1 = packed(qtype, 1, 1, seed=1)  # one row of one block
+    w, wf = packed(qtype, 5, 3, seed=2)  # odd rows, odd blocks
+    k = 3 * cls.block_size
+    names = primitives(cg.matmul(rand((2, k), 0), w, qtype), cg.dequantize(w, qtype))  # before any evaluation
+    if path == "mlx_ops":
+        assert not ({"GGMLMatmul", "GGMLDequantize"} & names), names
+    else:
+        assert {"GGMLMatmul", "GGMLDequantize"} <= names, names
+    for shape in [(1,), (2,), (3,), (17,), (2, 3), (1, 1, 4)]:
+        x = rand((*shape, k), sum(shape))
+        y = cg.matmul(x, w, qtype)
+        assert y.shape == (*shape, 5) and y.dtype == mx.float32
+        check_product(y.reshape(-1, 5), x.reshape(-1, k), wf)
+        ref = x.reshape(-1, k) @ mx.array(wf).T  # MLX's float32 product of the decoded weight
+        check_product(ref, x.reshape(-1, k), wf)
+        x1 = rand((*shape, cls.block_size), 7)
+        check_product(cg.matmul(x1, w1, qtype).reshape(-1, 1), x1.reshape(-1, cls.block_size), wf1)
+    xv = rand((k,), 3)  # a vector
+    yv = cg.matmul(xv, w, qtype)
+    assert yv.shape == (5,)
+    check_product(yv[None], xv[None], wf)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "IQ2_XS", "Q2_K"])
+def test_products_large_enough_to_split_across_threads(path, qtype):
+    cls = ggml.get_type(qtype)
+    k = 2 * 256
+    w, wf = packed(qtype, 2051, k // cls.block_size, seed=5)
+    for m in (1, 2, 5):
+        x = rand((m, k), m)
+        check_product(cg.matmul(x, w, qtype), x, wf)
+    np.testing.assert_array_equal(np.array(cg.dequantize(w, qtype)).view(np.uint32), wf.view(np.uint32))
+
+
+def test_non_contiguous_inputs(path):
+    w, wf = packed("Q4_K", 12, 2, seed=9)
+    for x in (rand((512, 6), 4).T, rand((6, 1024), 5)[:, ::2], rand((3, 4, 512), 6)[:, 1:3].swapaxes(0, 1)):
+        y = cg.matmul(x, w, "Q4_K")
+        check_product(y.reshape(-1, 12), x.reshape(-1, 512), wf)
+    # a strided weight (every other row, and a column slice of whole blocks)
+    x = rand((3, 512), 8)
+    check_product(cg.matmul(x, w[::2], "Q4_K"), x, wf[::2])
+    np.testing.assert_array_equal(np.array(cg.dequantize(w[::2], "Q4_K")), wf[::2])
+    np.testing.assert_array_equal(np.array(cg.dequantize(w[:, 144:], "Q4_K")), wf[:, 256:])
+
+
+@pytest.mark.parametrize("xdtype", [mx.float16, mx.bfloat16])
+def test_half_inputs(path, xdtype):
+    w, wf = packed("Q6_K", 7, 2, seed=3)
+    x = rand((3, 512), 1).astype(xdtype)
+    y = cg.matmul(x, w, "Q6_K")
+    assert y.dtype == xdtype
+    half = {mx.float16: 2.0 ** -11, mx.bfloat16: 2.0 ** -8}[xdtype]
+    xn = np.array(x.astype(mx.float32), dtype=np.float64)
+    exact = xn @ wf.T
+    bound = 4 * 512 * U * (np.abs(xn) @ np.abs(wf).T) + half * np.abs(exact)
+    assert (np.abs(np.array(y.astype(mx.float32)) - exact) <= bound).all()
+
+
+def test_empty_input(path):
+    w, _ = packed("Q8_0", 4, 2, seed=0)
+    y = cg.matmul(mx.zeros((0, 64)), w, "Q8_0")
+    assert y.shape == (0, 4)
+    mx.eval(y)
+
+
+# ----------------------------------------------------------------------------- gradients and transforms
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "IQ4_XS", "IQ1_M"])
+def test_input_gradient(path, qtype):
+    cls = ggml.get_type(qtype)
+    k = 256
+    w, wf = packed(qtype, 9, k // cls.block_size, seed=4)
+    x, c = rand((2, 3, k), 1), rand((2, 3, 9), 2)
+
+    def f(v):
+        return (cg.matmul(v, w, qtype) * c).sum()
+
+    dx = mx.grad(f)(x)
+    assert dx.shape == x.shape and dx.dtype == mx.float32
+    cn = np.array(c, dtype=np.float64).reshape(-1, 9)
+    exact = cn @ wf
+    bound = 4 * 9 * U * (np.abs(cn) @ np.abs(wf)) + 1e-30
+    assert (np.abs(np.array(dx).reshape(-1, k) - exact) <= bound).all()
+    # the same through mx.vjp, half-precision input: the gradient in x's dtype
+    xh = x.astype(mx.bfloat16)
+    _, (dxh,) = mx.vjp(lambda v: cg.matmul(v, w, qtype), [xh], [c.astype(mx.bfloat16)])
+    assert dxh.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(dxh.astype(mx.float32)).reshape(-1, k),
+                               np.array(c.astype(mx.bfloat16).astype(mx.float32), dtype=np.float64).reshape(-1, 9)
+                               @ wf, rtol=2e-2, atol=2e-2 * np.abs(exact).max())
+
+
+def test_jvp_vmap_and_compile(path):
+    w, wf = packed("Q3_K", 6, 1, seed=6)
+    x, t = rand((2, 256), 1), rand((2, 256), 2)
+    _, (jt,) = mx.jvp(lambda v: cg.matmul(v, w, "Q3_K"), [x], [t])
+    check_product(jt, t, wf)
+    xs = rand((4, 2, 256), 3)
+    ys = mx.vmap(lambda v: cg.matmul(v, w, "Q3_K"), in_axes=1)(xs)
+    assert ys.shape == (2, 4, 6)
+    check_product(ys.reshape(-1, 6), xs.swapaxes(0, 1).reshape(-1, 256), wf)
+    compiled = mx.compile(lambda v: cg.matmul(v, w, "Q3_K") + 1.0)
+    check_product(compiled(x) - 1.0, x, wf, scale=2.0)
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def test_supports():
+    w, _ = packed("Q4_K", 3, 2, seed=0)
+    native = cg.available()
+    assert cg.supports(w, "Q4_K") == native
+    assert cg.supports(w, ggml.get_type("Q4_K"), rand((2, 512), 0)) == native
+    assert cg.supports(w, 12) == native  # the GGUF type id
+    assert not cg.supports(w, "Q4_K", rand((2, 256), 0))  # x is not [..., K]
+    assert not cg.supports(w, "Q4_K", mx.zeros((2, 512), dtype=mx.int32))
+    assert not cg.supports(w, "F16")  # float types: the MLX decoder
+    assert not cg.supports(w.astype(mx.int8), "Q4_K")
+    assert not cg.supports(w[:, :100], "Q4_K")  # not whole blocks
+    with pytest.raises(KeyError):
+        cg.supports(w, "Q9_Z")
+
+
+def test_native_errors():
+    if not cg.available():
+        pytest.skip(cg.unavailable_reason())
+    ext = cg._ext
+    w, _ = packed("Q4_K", 3, 2, seed=0)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 512\]"):
+        ext.ggml_matmul(rand((2, 256), 0), w, 12)
+    with pytest.raises(ValueError, match="not whole 144-byte blocks"):
+        ext.ggml_matmul(rand((2, 256), 0), w[:, :100], 12)
+    with pytest.raises(ValueError, match="no native kernel"):
+        ext.ggml_dequantize(w, 1)
+    with pytest.raises(ValueError, match="packed uint8"):
+        ext.ggml_dequantize(w.astype(mx.int32), 12)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        ext.ggml_matmul(mx.zeros((2, 512), dtype=mx.int32), w, 12)
+
+
+def test_fallback_for_float_types(path):
+    data = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float16)
+    w = mx.array(data.view(np.uint8))
+    x = rand((2, 8), 1)
+    np.testing.assert_allclose(np.array(cg.matmul(x, w, "F16")), np.array(x) @ data.astype(np.float32).T,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.array(cg.dequantize(w, "F16")), data.astype(np.float32))
