@@ -93,12 +93,19 @@ void run_matmul(const mx::array& x, const mx::array& w, mx::array& out, const gg
   a.M = M;
   a.x = contiguous_data<float>(x, xkeep);
   a.out = out.data<float>();
-  std::vector<float> xsum;
-  if (gg::uses_registers(t.id, M, avx2) && gg::bias_sub(t.id)) {
-    a.sub = gg::bias_sub(t.id);
-    xsum.resize(static_cast<size_t>(M * (K / a.sub)));
-    gg::sub_block_sums(a.x, M, K, a.sub, xsum.data());
-    a.xsum = xsum.data();
+  std::vector<float> xsum, xperm;
+  if (gg::uses_registers(t.id, M, avx2)) {
+    if (gg::bias_sub(t.id)) {
+      a.sub = gg::bias_sub(t.id);
+      xsum.resize(static_cast<size_t>(M * (K / a.sub)));
+      gg::sub_block_sums(a.x, M, K, a.sub, xsum.data());
+      a.xsum = xsum.data();
+    }
+    if (gg::register_kernel_order(t.id)) {
+      xperm.resize(static_cast<size_t>(M * K));
+      for (int64_t m = 0; m < M; ++m) gg::permute_chunks(a.x + m * K, xperm.data() + m * K, K);
+      a.x = xperm.data();
+    }
   }
   metalnn_native::parallel_for(static_cast<size_t>(N), grain_rows(K * std::max<int64_t>(M, 2)),
                                [&](size_t r0, size_t r1) {

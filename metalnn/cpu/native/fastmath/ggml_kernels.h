@@ -70,7 +70,7 @@ struct MatmulArgs {
   const TypeInfo* type;
   const uint8_t* w;  // [N, row_bytes]
   int64_t N, K, M;
-  const float* x;  // [M, K]
+  const float* x;  // [M, K] (register kernels: in kernel order where register_kernel_order says so)
   const float* xsum;  // [M, K / sub] sums of x over each sub-block (formats with a minimum)
   int64_t sub;  // values a sub-block (0: no sums)
   float* out;  // [M, N]
@@ -91,6 +91,19 @@ inline int64_t bias_sub(int id) {
       return 16;
   }
   return 0;
+}
+
+// Whether the register kernel of a type takes the input rows in kernel order (permute_chunks):
+// every type but Q8_0, which reads its levels in natural order.
+inline bool register_kernel_order(int id) {
+  return id != kQ8_0;
+}
+
+// dst = x in kernel order: within every 32 values, dst[8 k + l] = x[4 l + k] (K a multiple of 32).
+inline void permute_chunks(const float* x, float* dst, int64_t K) {
+  for (int64_t c = 0; c < K; c += 32)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < 8; ++l) dst[c + 8 * k + l] = x[c + 4 * l + k];
 }
 
 inline bool has_register_kernel(int id) {
@@ -171,9 +184,8 @@ GGML_INLINE __m128i load128(const uint8_t* p) {
 // 16 bytes of the legacy nibble layout -> 32 values 0..15 (value j: low nibble of byte j; j + 16:
 // high nibble).
 GGML_INLINE __m256i nibbles_32(const uint8_t* p) {
-  const __m128i v = load128(p);
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  const __m256i both = _mm256_broadcastsi128_si256(load128(p));
+  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // The 32 bits of a u32 as 32 bytes: 0xFF where the bit is set.
@@ -198,6 +210,11 @@ GGML_INLINE __m256i table16(const int8_t* t) {
 //   chunks(b, sink)          sink(q, i) for each 32 values 32 i .. 32 i + 31 (int8 levels in q),
 //                            or sink.mem(p, i) with the 32 int8 levels at p
 // value = sc[s] * q (+ bias[s]).
+//
+// The register kernel widens a chunk with shifts only, which yields its values in "kernel
+// order" (vector k, lane l: value 4 l + k of the chunk); the input rows are permuted the same
+// way once per call (`permute_chunks`). Q8_0 reads its int8 values from memory in natural order
+// (NATURAL) and takes the input rows as they are.
 // ---------------------------------------------------------------------------
 
 struct FQ4_0 {
@@ -255,7 +272,7 @@ struct FQ5_1 {
 
 struct FQ8_0 {
   static constexpr int QK = 32, TS = 34, SUB = 32;
-  static constexpr bool MIN = false;
+  static constexpr bool MIN = false, NATURAL = true;
   GGML_INLINE static void params(const uint8_t* b, float* sc, float*) {
     sc[0] = h2f(b);
   }
@@ -465,12 +482,31 @@ GGML_INLINE void widen(__m256i q, __m256* f) {
   f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
 }
 
+// The int8 levels of a chunk as four vectors of 8 floats in kernel order: f[k] lane l is level
+// 4 l + k (byte k of 32-bit lane l, sign-extended by shifts; no cross-lane shuffles).
+GGML_INLINE void widen_perm(__m256i q, __m256* f) {
+  f[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(q, 24), 24));
+  f[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(q, 16), 24));
+  f[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(q, 8), 24));
+  f[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(q, 24));
+}
+
 GGML_INLINE void widen_mem(const int8_t* p, __m256* f) {
   for (int v = 0; v < 4; ++v)
     f[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v))));
 }
 
-// Sink of the register product: acc[m] += sc * (chunk . x_m) for MB input rows.
+template <class T>
+constexpr bool natural_order() {
+  if constexpr (requires { T::NATURAL; }) {
+    return T::NATURAL;
+  } else {
+    return false;
+  }
+}
+
+// Sink of the register product: acc[m] += sc * (chunk . x_m) for MB input rows (x in kernel
+// order unless the type reads its values in natural order).
 template <class T, int MB>
 struct DotSink {
   const float* x;  // the block's first value in input row 0
@@ -480,27 +516,28 @@ struct DotSink {
 
   GGML_INLINE void add(const __m256* f, int i) {
     const float* xc = x + 32 * i;
+    __m256 scale;
+    if constexpr (T::SUB == 16) {
+      // kernel order: lanes 0-3 hold values of the chunk's first 16, lanes 4-7 of its last 16;
+      // natural order: vectors 0-1 and 2-3 (not used: the natural type has sub-blocks of 32)
+      static_assert(!natural_order<T>());
+      const __m256i pick = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(2 * (i % 4)));
+      scale = _mm256_permutevar8x32_ps(_mm256_load_ps(sc + 8 * (i / 4)), pick);
+    } else {
+      scale = _mm256_broadcast_ss(sc + (32 * i) / T::SUB);
+    }
     for (int m = 0; m < MB; ++m) {
       const float* xm = xc + m * ldx;
-      if constexpr (T::SUB == 16) {
-        __m256 s0 = _mm256_mul_ps(f[0], _mm256_loadu_ps(xm));
-        __m256 s1 = _mm256_mul_ps(f[2], _mm256_loadu_ps(xm + 16));
-        s0 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xm + 8), s0);
-        s1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xm + 24), s1);
-        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 2 * i), s0, acc[m]);
-        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 2 * i + 1), s1, acc[m]);
-      } else {
-        __m256 s0 = _mm256_mul_ps(f[0], _mm256_loadu_ps(xm));
-        __m256 s1 = _mm256_mul_ps(f[1], _mm256_loadu_ps(xm + 8));
-        s0 = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xm + 16), s0);
-        s1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xm + 24), s1);
-        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + (32 * i) / T::SUB), _mm256_add_ps(s0, s1), acc[m]);
-      }
+      __m256 s0 = _mm256_mul_ps(f[0], _mm256_loadu_ps(xm));
+      __m256 s1 = _mm256_mul_ps(f[1], _mm256_loadu_ps(xm + 8));
+      s0 = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xm + 16), s0);
+      s1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xm + 24), s1);
+      acc[m] = _mm256_fmadd_ps(scale, _mm256_add_ps(s0, s1), acc[m]);
     }
   }
   GGML_INLINE void operator()(__m256i q, int i) {
     __m256 f[4];
-    widen(q, f);
+    widen_perm(q, f);
     add(f, i);
   }
   GGML_INLINE void mem(const int8_t* p, int i) {
