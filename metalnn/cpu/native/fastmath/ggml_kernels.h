@@ -57,7 +57,7 @@ inline std::atomic<bool>& force_scalar_flag() {
 
 // Input rows up to which the register kernels run (above: the decoded-rows product).
 inline std::atomic<int>& register_rows_setting() {
-  static std::atomic<int> rows{8};
+  static std::atomic<int> rows{4};
   return rows;
 }
 

@@ -226,25 +226,32 @@ inline void decode_q4_1(const uint8_t* b, float* y) {
   }
 }
 
+// The fifth bits of Q5_0 / Q5_1: bit j of the u32 qh, as 0 or 16, for the 32 values.
+inline void fifth_bits(uint32_t qh, int* hb) {
+  for (int j = 0; j < 32; ++j) hb[j] = static_cast<int>((qh >> j) & 1) << 4;
+}
+
 inline void decode_q5_0(const uint8_t* b, float* y) {
   const float d = f16_at(b);
-  const uint32_t qh = rd32(b + 2);
-  int q[32];
-  nibbles32(b + 6, q);
-  for (int j = 0; j < 32; ++j) {
-    const int v = q[j] | static_cast<int>(((qh >> j) & 1) << 4);
-    y[j] = d * static_cast<float>(v - 16);
+  int hb[32];
+  fifth_bits(rd32(b + 2), hb);
+  const uint8_t* qs = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>(((qs[j] & 0xF) | hb[j]) - 16);
+    y[j + 16] = d * static_cast<float>(((qs[j] >> 4) | hb[j + 16]) - 16);
   }
 }
 
 inline void decode_q5_1(const uint8_t* b, float* y) {
   const float d = f16_at(b), m = f16_at(b + 2);
-  const uint32_t qh = rd32(b + 4);
-  int q[32];
-  nibbles32(b + 8, q);
-  for (int j = 0; j < 32; ++j) {
-    const float t = d * static_cast<float>(q[j] | (((qh >> j) & 1) << 4));
-    y[j] = t + m;
+  int hb[32];
+  fifth_bits(rd32(b + 4), hb);
+  const uint8_t* qs = b + 8;
+  for (int j = 0; j < 16; ++j) {
+    const float tl = d * static_cast<float>((qs[j] & 0xF) | hb[j]);
+    const float th = d * static_cast<float>((qs[j] >> 4) | hb[j + 16]);
+    y[j] = tl + m;
+    y[j + 16] = th + m;
   }
 }
 
@@ -253,62 +260,91 @@ inline void decode_q8_0(const uint8_t* b, float* y) {
   for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
 }
 
-// 2-bit planes: value 128 h + 32 s + j is bits 2s, 2s + 1 of byte 32 h + j.
-inline int crumb(const uint8_t* qs, int v) {
-  return (qs[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3;
-}
+// 2-bit planes (Q2_K, Q3_K, TQ2_0): value 128 h + 32 s + j is bits 2s, 2s + 1 of byte 32 h + j.
+// Nibble planes (Q4_K, Q5_K): value 64 c + 32 s + j is nibble s of byte 32 c + j.
 
 inline void decode_q2_k(const uint8_t* b, float* y) {
   float sc[16], bias[16];
   params_q2k(b, sc, bias);
-  for (int v = 0; v < 256; ++v) {
-    const float t = sc[v / 16] * static_cast<float>(crumb(b + 16, v));
-    y[v] = t + bias[v / 16];
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* q = b + 16 + 32 * h;
+    for (int s = 0; s < 4; ++s) {
+      float* o = y + 128 * h + 32 * s;
+      const int i = 8 * h + 2 * s;  // sub-block of the first 16 values
+      for (int j = 0; j < 32; ++j) {
+        const float t = sc[i + j / 16] * static_cast<float>((q[j] >> (2 * s)) & 3);
+        o[j] = t + bias[i + j / 16];
+      }
+    }
   }
 }
 
 inline void decode_q3_k(const uint8_t* b, float* y) {
   float sc[16];
   params_q3k(b, sc);
-  for (int v = 0; v < 256; ++v) {
-    const int high = (b[v % 32] >> (v / 32)) & 1;
-    const int q = crumb(b + 32, v) - (high ? 0 : 4);
-    y[v] = sc[v / 16] * static_cast<float>(q);
+  const uint8_t* hm = b;
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* q = b + 32 + 32 * h;
+    for (int s = 0; s < 4; ++s) {
+      float* o = y + 128 * h + 32 * s;
+      const int i = 8 * h + 2 * s, bit = 4 * h + s;
+      for (int j = 0; j < 32; ++j) {
+        const int v = ((q[j] >> (2 * s)) & 3) - (((hm[j] >> bit) & 1) ? 0 : 4);
+        o[j] = sc[i + j / 16] * static_cast<float>(v);
+      }
+    }
   }
-}
-
-// Nibble planes 32 bytes wide: value 64 c + 32 s + j is nibble s of byte 32 c + j.
-inline int nibble_plane(const uint8_t* qs, int v) {
-  return (qs[32 * (v / 64) + v % 32] >> (4 * ((v / 32) % 2))) & 0xF;
 }
 
 inline void decode_q4_k(const uint8_t* b, float* y) {
   float sc[8], bias[8];
   params_q4k(b, sc, bias);
-  for (int v = 0; v < 256; ++v) {
-    const float t = sc[v / 32] * static_cast<float>(nibble_plane(b + 16, v));
-    y[v] = t + bias[v / 32];
+  const uint8_t* q = b + 16;
+  for (int c = 0; c < 4; ++c) {
+    for (int j = 0; j < 32; ++j) {
+      const float lo = sc[2 * c] * static_cast<float>(q[32 * c + j] & 0xF);
+      const float hi = sc[2 * c + 1] * static_cast<float>(q[32 * c + j] >> 4);
+      y[64 * c + j] = lo + bias[2 * c];
+      y[64 * c + 32 + j] = hi + bias[2 * c + 1];
+    }
   }
 }
 
 inline void decode_q5_k(const uint8_t* b, float* y) {
   float sc[8], bias[8];
   params_q4k(b, sc, bias);
-  for (int v = 0; v < 256; ++v) {
-    const int q = nibble_plane(b + 48, v) | (((b[16 + v % 32] >> (v / 32)) & 1) << 4);
-    const float t = sc[v / 32] * static_cast<float>(q);
-    y[v] = t + bias[v / 32];
+  const uint8_t* qh = b + 16;
+  const uint8_t* q = b + 48;
+  for (int c = 0; c < 4; ++c) {
+    for (int j = 0; j < 32; ++j) {
+      const int l = (q[32 * c + j] & 0xF) | (((qh[j] >> (2 * c)) & 1) << 4);
+      const int h = (q[32 * c + j] >> 4) | (((qh[j] >> (2 * c + 1)) & 1) << 4);
+      const float lo = sc[2 * c] * static_cast<float>(l);
+      const float hi = sc[2 * c + 1] * static_cast<float>(h);
+      y[64 * c + j] = lo + bias[2 * c];
+      y[64 * c + 32 + j] = hi + bias[2 * c + 1];
+    }
   }
 }
 
 inline void decode_q6_k(const uint8_t* b, float* y) {
   float sc[16];
   params_q6k(b, sc);
-  for (int v = 0; v < 256; ++v) {
-    const int h = v / 128, r = v % 128;
-    const int low = (b[64 * h + r % 64] >> (4 * (r / 64))) & 0xF;
-    const int high = (b[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
-    y[v] = sc[v / 16] * static_cast<float>((low | (high << 4)) - 32);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    float* o = y + 128 * h;
+    const float* s = sc + 8 * h;
+    for (int j = 0; j < 32; ++j) {
+      const int q1 = ((ql[j] & 0xF) | (((qh[j] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[j + 32] & 0xF) | (((qh[j] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[j] >> 4) | (((qh[j] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[j + 32] >> 4) | (((qh[j] >> 6) & 3) << 4)) - 32;
+      o[j] = s[j / 16] * static_cast<float>(q1);
+      o[j + 32] = s[2 + j / 16] * static_cast<float>(q2);
+      o[j + 64] = s[4 + j / 16] * static_cast<float>(q3);
+      o[j + 96] = s[6 + j / 16] * static_cast<float>(q4);
+    }
   }
 }
 
@@ -354,7 +390,10 @@ inline void decode_tq1_0(const uint8_t* b, float* y) {
 
 inline void decode_tq2_0(const uint8_t* b, float* y) {
   const float d = f16_at(b + 64);
-  for (int v = 0; v < 256; ++v) y[v] = d * static_cast<float>(crumb(b, v) - 1);
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int j = 0; j < 32; ++j)
+        y[128 * h + 32 * s + j] = d * static_cast<float>(((b[32 * h + j] >> (2 * s)) & 3) - 1);
 }
 
 // Coordinate j of an 8-byte grid point.
@@ -362,9 +401,12 @@ inline int grid8(uint64_t point, int j) {
   return static_cast<int>((point >> (8 * j)) & 0xFF);
 }
 
-// The sign of value j under sign byte s: -1 where bit j is set.
+// The sign of value j under sign byte s: -1 where bit j is set (a table, not a branch: the signs
+// are unpredictable).
+inline constexpr float kSignFactor[2] = {1.0f, -1.0f};
+
 inline float sign_of(uint32_t s, int j) {
-  return ((s >> j) & 1) ? -1.0f : 1.0f;
+  return kSignFactor[(s >> j) & 1];
 }
 
 inline void decode_iq2_xxs(const uint8_t* b, float* y) {
@@ -451,7 +493,7 @@ inline void decode_iq1_s(const uint8_t* b, float* y) {
   for (int ib = 0; ib < 8; ++ib) {
     const uint32_t qh = rd16(b + 34 + 2 * ib);
     const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
-    const float delta = (qh & 0x8000) ? -kIQ1Delta : kIQ1Delta;
+    const float delta = kIQ1Delta * kSignFactor[qh >> 15];
     for (int l = 0; l < 4; ++l) {
       const uint32_t index = b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
       const uint64_t point = kIQ1SGrid[index];
@@ -475,7 +517,7 @@ inline void decode_iq1_m(const uint8_t* b, float* y) {
       const int g = 2 * k + l;
       const uint32_t h = (b[32 + g / 2] >> (4 * (g % 2))) & 0xF;
       const uint32_t index = b[g] | ((h & 7) << 8);
-      const float delta = (h & 8) ? -kIQ1Delta : kIQ1Delta;
+      const float delta = kIQ1Delta * kSignFactor[h >> 3];
       const uint64_t point = kIQ1SGrid[index];
       for (int j = 0; j < 8; ++j) {
         const float gv = static_cast<float>(static_cast<int8_t>(grid8(point, j)));
