@@ -1,6 +1,11 @@
 """Benchmark the native GGML products (metalnn.cpu.ggml) against the native affine 4-bit product.
 
-    python scripts/bench_ggml.py [--threads 1,2] [--repeat 15] [--skip-prompts] [--skip-crossover]
+    python scripts/bench_ggml.py [--threads 1,2] [--repeat 15] [--rows 1,64,512]
+                                 [--skip-products] [--skip-token] [--skip-crossover]
+
+OpenBLAS (MLX's BLAS here) uses its own threads: ``OPENBLAS_NUM_THREADS=1`` in the environment
+makes the dequantize + BLAS figures single-threaded like ``--threads 1`` (on a busy 2-core machine
+its threads otherwise stall for whole scheduler ticks).
 
 The peer, measured in the same process, is `metalnn.cpu.qmatmul.quantized_matmul` with groups of 32
 and float16 scales and biases: what a Q4_1 GGUF file runs on today (its blocks become MLX's affine
@@ -10,8 +15,8 @@ layout). Shapes are SmolLM2-135M's (out x in): 576x576 (q, o), 192x576 (k, v), 1
 Tables (ratio = affine time / ours: above 1 is faster than the peer):
 
 1. Decoding (1 row) and prompts (64, 512 rows) for Q4_K, Q6_K, Q5_0, Q8_0 and IQ4_XS. For prompts
-   the product is the one `MATMUL_MAX_ROWS` picks (native matmul below it, dequantize + MLX's
-   BLAS product from it), against the faster of the affine product and affine dequantize + BLAS.
+   the product is the one `MATMUL_MAX_ROWS` picks (native matmul up to it, dequantize + MLX's
+   BLAS product above), against the faster of the affine product and affine dequantize + BLAS.
 2. A whole decoded token's linear layers: the 30 layers and the head of SmolLM2-135M in the
    tensor types llama-quantize gives Q4_K_M on that model (rows of 576 are not whole 256-value
    super-blocks, so Q4_K falls back to Q5_0 and Q6_K to Q8_0 there; ffn_down, rows of 1536, is
@@ -82,7 +87,7 @@ def affine_dequantized(x, w, bits=4):
 
 
 def ours(x, w, name):
-    if x.shape[0] < cg.MATMUL_MAX_ROWS:
+    if x.shape[0] <= cg.MATMUL_MAX_ROWS:
         return cg.matmul(x, w, name)
     return x @ cg.dequantize(w, name).T
 

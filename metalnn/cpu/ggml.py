@@ -44,12 +44,12 @@ _ext = _native_ext.extension()
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _CPU = mx.DeviceType.cpu
 
-#: Rows of ``x`` (all dims but the last, multiplied) up to which `matmul` is faster than
-#: ``x @ dequantize(W).T`` with MLX's BLAS product; from this many rows on, the dequantized product
-#: wins. Measured with ``scripts/bench_ggml.py`` on SmolLM2-135M's shapes (Q4_K, Q6_K, Q5_0, Q8_0,
-#: IQ4_XS; 1 and 2 threads): the decoded-tile kernel is at par with dequantize + BLAS around 24-48
-#: rows and behind from 64 on.
-MATMUL_MAX_ROWS = 32
+#: Rows of ``x`` (all dims but the last, multiplied) up to which `matmul` is at least as fast as
+#: ``x @ dequantize(W).T`` with MLX's BLAS product (OpenBLAS); with more rows the dequantized product
+#: wins, at the cost of a float copy of the weight. Measured by ``scripts/bench_ggml.py`` on
+#: SmolLM2-135M's shapes (Q4_K, Q6_K, Q5_0, Q8_0, IQ4_XS; one thread for both): the native product
+#: takes 0.2-0.3x the time at 1 row, 0.5-0.65x at 8, 0.8-0.9x at 32, 0.9-1.0x at 64 and 1.0-1.1x at 96.
+MATMUL_MAX_ROWS = 64
 
 
 def available() -> bool:

@@ -127,7 +127,8 @@ def _cases(ext):
 
 CASE_NAMES = ["FastUnary", "FastUnaryGrad", "FastSoftmax", "FastSoftmaxGrad", "Im2Col", "Col2Im",
               "AffineQuantizedMatmul", "AffineDequantize", "GGMLMatmul", "GGMLDequantize", "RmsNorm", "RmsNormVJP",
-              "Rope", "Gated", "GatedVJP", "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP", "LayoutCopy", "AdamWUpdate"]
+              "Rope", "Gated", "GatedVJP", "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP",
+              "LayoutCopy", "AdamWUpdate"]
 VARIED = [(name, field) for name, fields in [
     ("FastUnary", ["kind"]), ("FastUnaryGrad", ["kind"]),
     ("Im2Col", ["kernel", "stride", "padding", "dilation"]),

@@ -2,11 +2,13 @@
 //
 // W [N, K] is stored as rows of blocks (ggml_types.h). Three ways to compute out = x @ W.T:
 //
-// * Registers (AVX2+FMA, the common types, a few input rows): each block's quantized values are
-//   decoded 32 at a time into one register of int8 (the "chunk": the values' integer levels, with
-//   any constant offset of the format already subtracted), widened to float and multiplied into
-//   the input rows; the sub-block scales multiply those partial sums, and the formats with a
-//   minimum add bias * (sum of the input over the sub-block), so the inner loop is decode + FMA.
+// * Registers (AVX2+FMA, the common types, up to `register_rows_setting` input rows): each
+//   block's quantized values are decoded 32 at a time into one register of int8 (the "chunk": the
+//   values' integer levels, with any constant offset of the format already subtracted), widened
+//   to float with shifts (in a fixed "kernel order", the input rows permuted to match) and
+//   multiplied into the input rows; the sub-block scales multiply those partial sums, and the
+//   formats with a minimum add bias * (sum of the input over the sub-block), so the inner loop
+//   is decode + FMA.
 // * Decoded rows (every type, more input rows): a few weight rows are dequantized into a small
 //   buffer (exactly as `dequantize` writes them) and multiplied as a float tile, so the decoding
 //   is paid once for all the input rows.
@@ -55,7 +57,8 @@ inline std::atomic<bool>& force_scalar_flag() {
   return flag;
 }
 
-// Input rows up to which the register kernels run (above: the decoded-rows product).
+// Input rows up to which the register kernels run (above: the decoded-rows product, faster from
+// 5-8 rows on as measured on SmolLM2's shapes; tests set it to cover both).
 inline std::atomic<int>& register_rows_setting() {
   static std::atomic<int> rows{4};
   return rows;
@@ -518,10 +521,11 @@ struct DotSink {
     const float* xc = x + 32 * i;
     __m256 scale;
     if constexpr (T::SUB == 16) {
-      // kernel order: lanes 0-3 hold values of the chunk's first 16, lanes 4-7 of its last 16;
-      // natural order: vectors 0-1 and 2-3 (not used: the natural type has sub-blocks of 32)
+      // in kernel order lanes 0-3 hold values of the chunk's first 16, lanes 4-7 of its last 16:
+      // the scale vector is [sc[2i]] * 4 + [sc[2i + 1]] * 4
       static_assert(!natural_order<T>());
-      const __m256i pick = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(2 * (i % 4)));
+      const __m256i pick =
+          _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(2 * (i % 4)));
       scale = _mm256_permutevar8x32_ps(_mm256_load_ps(sc + 8 * (i / 4)), pick);
     } else {
       scale = _mm256_broadcast_ss(sc + (32 * i) / T::SUB);
