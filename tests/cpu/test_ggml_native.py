@@ -234,6 +234,21 @@ def test_input_gradient(path, qtype):
                                @ wf, rtol=2e-2, atol=2e-2 * np.abs(exact).max())
 
 
+def test_input_gradient_of_a_large_weight():
+    # more than 2^24 values: the backward pass decodes the weight in row slices, never whole
+    if not cg.available():
+        pytest.skip(cg.unavailable_reason())
+    w, wf = packed("Q4_0", 4100, 128, seed=3)  # 4100 x 4096 values
+    x, c = rand((2, 4096), 0), rand((2, 4100), 1)
+    _, (dx,) = mx.vjp(lambda v: cg.matmul(v, w, "Q4_0"), [x], [c])
+    buf = io.StringIO()
+    mx.export_to_dot(buf, dx)
+    assert buf.getvalue().count('label ="GGMLDequantize"') == 2
+    cn = np.array(c, dtype=np.float64)
+    exact = cn @ wf
+    assert (np.abs(np.array(dx) - exact) <= 4 * 4100 * U * (np.abs(cn) @ np.abs(wf)) + 1e-30).all()
+
+
 def test_jvp_vmap_and_compile(path):
     w, wf = packed("Q3_K", 6, 1, seed=6)
     x, t = rand((2, 256), 1), rand((2, 256), 2)

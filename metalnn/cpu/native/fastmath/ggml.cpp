@@ -7,7 +7,8 @@
 //
 // w is uint8 [N, K / block_size * type_size]: each row its blocks. The product runs
 // multi-threaded over the rows of W. The input gradient g @ W is MLX's matmul with the
-// dequantized weight; the packed weight has no gradient (a zero one, as it is not trainable).
+// dequantized weight (in row slices of at most 2^24 values); the packed weight has no gradient
+// (a zero one, as it is not trainable).
 
 #include "ggml.h"
 
@@ -41,6 +42,9 @@ namespace {
 
 // Work (values decoded or multiplied) below which a chunk of rows is not worth another thread.
 constexpr int64_t kGrainWork = 1 << 16;
+
+// Decoded values at most in one slice of the weight in the input gradient.
+constexpr int64_t kGradientSliceValues = int64_t(1) << 24;
 
 // Copies `a` (any strides) in row-major order into dst.
 template <typename T>
@@ -175,10 +179,7 @@ class GGMLMatmul : public mx::UnaryPrimitive {
     std::vector<mx::array> grads;
     for (int i : argnums) {
       if (i == 0) {
-        // g @ W with W decoded again (no float copy of the weight kept from the forward pass)
-        auto g = mx::astype(cotangents[0], mx::float32, stream());
-        auto dx = mx::matmul(g, ggml_dequantize_op(primals[1], type_, stream()), stream());
-        grads.push_back(mx::astype(dx, primals[0].dtype(), stream()));
+        grads.push_back(mx::astype(input_gradient(cotangents[0], primals[1]), primals[0].dtype(), stream()));
       } else {
         grads.push_back(mx::zeros_like(primals[i], stream()));
       }
@@ -215,6 +216,30 @@ class GGMLMatmul : public mx::UnaryPrimitive {
   }
 
  private:
+  // g [..., N] @ W (float32 [..., K]) with W decoded again (no float copy of the weight is kept
+  // from the forward pass), in slices of at most kGradientSliceValues decoded values, so that a
+  // large weight (an output head) is never decoded whole.
+  mx::array input_gradient(const mx::array& cotangent, const mx::array& w) {
+    const auto s = stream();
+    const int N = w.shape(0);
+    const int K = static_cast<int>(unpacked_width(w, type_info(type_)));
+    auto g = mx::astype(cotangent, mx::float32, s);
+    const int rows = static_cast<int>(std::max<int64_t>(1, kGradientSliceValues / std::max(K, 1)));
+    if (N <= rows) return mx::matmul(g, ggml_dequantize_op(w, type_, s), s);
+    auto shape = g.shape();
+    shape.back() = K;
+    g = mx::reshape(g, {-1, N}, s);
+    const int M = g.shape(0), row_bytes = w.shape(1);
+    std::optional<mx::array> dx;
+    for (int r0 = 0; r0 < N; r0 += rows) {
+      const int r1 = std::min(N, r0 + rows);
+      auto part = mx::matmul(mx::slice(g, {0, r0}, {M, r1}, s),
+                             ggml_dequantize_op(mx::slice(w, {r0, 0}, {r1, row_bytes}, s), type_, s), s);
+      dx = dx ? mx::add(*dx, part, s) : part;
+    }
+    return mx::reshape(*dx, shape, s);
+  }
+
   int type_;
 };
 
