@@ -102,6 +102,10 @@ class Converter:
                    if p + k not in meta]
         if missing:
             raise UnsupportedConfigError(f"{header.path}: GGUF metadata lacks {', '.join(p + k for k in missing)}")
+        for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+            value = meta[p + key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UnsupportedConfigError(f"{header.path}: {p}{key} = {value!r}; expected a positive integer")
         hidden, heads = int(meta[p + "embedding_length"]), int(meta[p + "attention.head_count"])
         kv_heads = meta.get(p + "attention.head_count_kv", heads)
         if isinstance(kv_heads, list):
@@ -143,7 +147,31 @@ class Converter:
                 raise UnsupportedConfigError(f"{header.path}: {p}rope.scaling.type {kind!r} is not supported (linear)")
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
         cfg.update(self.extra_config(cfg))
+        self.check_sizes(cfg)
         return cfg
+
+    def check_sizes(self, cfg: dict):
+        """The metadata's sizes against the tensors the file holds, before a model of those sizes is built
+        (a corrupt ``block_count`` or ``embedding_length`` must not build a huge model): UnsupportedConfigError
+        naming the key, its value and the tensors' evidence."""
+        header, p = self.header, self.prefix
+        blocks = {int(n.split(".")[1]) for n in header.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+        if cfg["num_hidden_layers"] != len(blocks) or (blocks and max(blocks) != len(blocks) - 1):
+            raise UnsupportedConfigError(f"{header.path}: {p}block_count = {cfg['num_hidden_layers']}, but the file "
+                                         f"holds tensors of {len(blocks)} blocks")
+        table = header.tensors.get("token_embd.weight")
+        if table is not None and len(table.shape) == 2 and table.shape[1] != cfg["hidden_size"]:
+            raise UnsupportedConfigError(f"{header.path}: {p}embedding_length = {cfg['hidden_size']}, but "
+                                         f"token_embd.weight has rows of {table.shape[1]}")
+        up = header.tensors.get("blk.0.ffn_up.weight")
+        if up is not None and len(up.shape) == 2 and up.shape[0] != cfg["intermediate_size"]:
+            raise UnsupportedConfigError(f"{header.path}: {p}feed_forward_length = {cfg['intermediate_size']}, but "
+                                         f"blk.0.ffn_up.weight has {up.shape[0]} rows")
+        q = header.tensors.get("blk.0.attn_q.weight")
+        heads = cfg["num_attention_heads"]
+        if q is not None and len(q.shape) == 2 and (heads <= 0 or q.shape[0] != heads * cfg["head_dim"]):
+            raise UnsupportedConfigError(f"{header.path}: {p}attention.head_count = {heads} with heads of "
+                                         f"{cfg['head_dim']}, but blk.0.attn_q.weight has {q.shape[0]} rows")
 
     def extra_config(self, config: dict) -> dict:
         """Hook: architecture-specific config keys (``config`` holds the common ones)."""

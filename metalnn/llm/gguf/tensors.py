@@ -19,8 +19,6 @@ experts) keeps its leading dims.
 
 from __future__ import annotations
 
-import mmap
-
 import mlx.core as mx
 import numpy as np
 
@@ -89,15 +87,17 @@ def read_tensors(header: GGUFHeader, keep_blocks=(), decode_blocks: bool = False
     """
     path = header.path
     arrays, packed, bad = {}, {}, []
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+    with open(path, "rb") as f:
         for info in header.tensors.values():
-            raw = np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+            raw = np.empty(info.nbytes, dtype=np.uint8)   # one tensor's bytes at a time, no mapping
+            f.seek(info.offset)
+            if f.readinto(memoryview(raw)) != info.nbytes:   # the file shrank since its header was read
+                raise WeightLoadError(source=str(path), message=f"{path}: {info.name}: the file ends inside its data")
             try:
                 _read_one(info, raw, arrays, packed, info.name in keep_blocks, decode_blocks)
             except (KeyError, ValueError, OverflowError) as e:
                 reason = e.args[0] if isinstance(e, KeyError) and e.args else e
                 bad.append(f"{info.name} ({info.type} {list(info.shape)}: {reason})")
-            del raw
     if bad:
         raise WeightLoadError(source=str(path), message=(
             f"{path}: {len(bad)} tensor(s) cannot be read: {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"))
@@ -109,7 +109,7 @@ def _read_one(info, raw, arrays, packed, keep, decode):
     if info.type in FLOATS:
         np_dtype = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[info.type]
         a = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
-        arr = mx.array(a.copy())
+        arr = mx.array(a)
         arrays[name] = arr.view(mx.bfloat16) if info.type == "BF16" else arr
         return
     qtype = ggml.get_type(info.type)
@@ -124,7 +124,7 @@ def _read_one(info, raw, arrays, packed, keep, decode):
         arrays[f"{stem}.scales"] = mx.array(scales)
         arrays[f"{stem}.biases"] = mx.array(biases)
         return
-    data = mx.array(raw.reshape(*shape[:-1], row_bytes).copy())
+    data = mx.array(raw.reshape(*shape[:-1], row_bytes))
     if decode:
         arrays[name] = qtype.decode(data)
         return

@@ -95,13 +95,13 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
         checkpoint = read_gguf(gguf_file)
         config, source = checkpoint.config, gguf_file
         cls = model_class(config)
-        model = cls(config)
+        model = _build(cls, config, source)
         provider = DictProvider(checkpoint.tensors, str(gguf_file))
         default_dtype = _gguf_float_dtype(checkpoint.header)
     else:
         config, source = read_config(path), path
         cls = model_class(config)
-        model = cls(config)
+        model = _build(cls, config, source)
         provider = open_provider(path)
         # the model's own floats: the scales and biases of quantized layers may be of another type
         floats = [provider.spec(k)[1] for k in provider.keys() if not k.endswith((".scales", ".biases"))]
@@ -123,6 +123,18 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
                               message=f"{cls.architecture}: " + e.message + hint) from None
     model.eos_token_ids = _checkpoint_eos(path, checkpoint.header if gguf_file is not None else None)
     return model.eval()
+
+
+def _build(cls, config, source):
+    """``cls(config)``; a value no layer accepts (a negative epsilon, a zero size) becomes an
+    UnsupportedConfigError naming the checkpoint."""
+    try:
+        return cls(config)
+    except UnsupportedConfigError:
+        raise
+    except (ValueError, TypeError, ArithmeticError) as e:
+        raise UnsupportedConfigError(f"{source}: its config does not describe a {cls.__name__} metalnn can build "
+                                     f"({type(e).__name__}: {e})") from None
 
 
 def _gguf_float_dtype(header):
