@@ -4,8 +4,11 @@ A packed weight ``W`` ``[out, in]`` is ``uint8 [out, in / block_size * type_size
 ``"metal"`` / ``"emulate"`` run the kernels of `metalnn.kernels.ggml` (``metal_kernels/ggml.metal``: every
 type of `metalnn.ggml`, x float32/float16/bfloat16) through ``mx.fast.metal_kernel`` or the CPU emulator:
 a matrix-vector kernel for a few rows of x (decoding), a tiled one for more (prompts), and ``dequantize``
-in the backward pass. ``"reference"``, ``"auto"`` and the calls the kernels do not take decode the weight
-with the type's MLX decoder (`metalnn.ggml.GGMLType.decode`) and multiply in float32. Either way the
+in the backward pass. ``"auto"`` on the CPU backend runs metalnn's native kernels (`metalnn.cpu.ggml`:
+blocks decoded in registers, AVX2 for the common types, threaded): their product for up to
+`metalnn.cpu.ggml.MATMUL_MAX_ROWS` rows of x, their dequantize and a BLAS product for more.
+``"reference"`` and the calls no kernel takes decode the weight with the type's MLX decoder
+(`metalnn.ggml.GGMLType.decode`) and multiply in float32. Either way the
 backward pass decodes the weight again rather than keeping a float copy from the forward pass, so
 training adapters over a packed model holds only the packed weights between the passes.
 """
@@ -16,9 +19,10 @@ import functools
 
 import mlx.core as mx
 
+from ..cpu import ggml as cpu_ggml
 from ..device import resolve
 from ..kernels import ggml as kernels
-from ._dispatch import emulator_options, kernel_backend
+from ._dispatch import emulator_options, kernel_backend, on_cpu
 
 
 def ggml_dequantize(weight, qtype, dtype=mx.float32, *, device=None):
@@ -28,31 +32,43 @@ def ggml_dequantize(weight, qtype, dtype=mx.float32, *, device=None):
         device: when given and on ``"metal"`` / ``"emulate"`` kernels, the ``dequantize`` kernel decodes
             (bit-exact with the type's MLX decoder, which runs otherwise).
     """
-    backend = kernel_backend(resolve(device)) if device is not None else None
+    device = resolve(device) if device is not None else None
+    backend = kernel_backend(device) if device is not None else None
     if backend and kernels.supports_dequantize(weight, qtype):
-        w = kernels.dequantize(weight, qtype, backend, emulator_options(resolve(device)))
+        w = kernels.dequantize(weight, qtype, backend, emulator_options(device))
+    elif (device is None or device.kernels != "reference") and on_cpu() and cpu_ggml.supports(weight, qtype):
+        w = cpu_ggml.dequantize(weight, qtype)
     else:
         w = qtype.decode(weight)
     return w if dtype == mx.float32 else w.astype(dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _decoded_product(qtype, dtype):
+def _decoded_product(qtype, dtype, native):
     """``f(x, weight) = x @ decode(weight).T`` whose backward decodes the weight again (the packed
-    weight gets a zero gradient: it is not trainable)."""
+    weight gets a zero gradient: it is not trainable). ``native``: decode with `metalnn.cpu.ggml`
+    instead of the MLX decoder (bit-identical)."""
+    device = None if native else _REFERENCE
 
     @mx.custom_function
     def product(x, weight):
-        return x @ ggml_dequantize(weight, qtype, dtype).T
+        return x @ ggml_dequantize(weight, qtype, dtype, device=device).T
 
     @product.vjp
     def product_vjp(primals, cotangent, output):
         x, weight = primals
         later = mx.depends([weight], [cotangent])[0]   # decoded after the cotangent exists
-        dx = (cotangent @ ggml_dequantize(later, qtype, dtype)).astype(x.dtype)
+        dx = (cotangent @ ggml_dequantize(later, qtype, dtype, device=device)).astype(x.dtype)
         return dx, mx.zeros_like(weight)
 
     return product
+
+
+class _Reference:
+    kernels = "reference"
+
+
+_REFERENCE = _Reference()
 
 
 def ggml_matmul(x, weight, qtype, *, device=None):
@@ -74,4 +90,8 @@ def ggml_matmul(x, weight, qtype, *, device=None):
     if backend and kernels.supports(x, weight, qtype):
         return kernels.ggml_matmul(x, weight, qtype, backend, emulator_options(device))
     dtype = x.dtype if x.dtype in (mx.float16, mx.bfloat16) else mx.float32
-    return _decoded_product(qtype, dtype)(x, weight)
+    native = device.kernels != "reference" and on_cpu() and cpu_ggml.supports(weight, qtype, x)
+    rows = x.size // max(x.shape[-1], 1)
+    if native and rows <= cpu_ggml.MATMUL_MAX_ROWS:
+        return cpu_ggml.matmul(x, weight, qtype)
+    return _decoded_product(qtype, dtype, native)(x, weight)

@@ -288,5 +288,6 @@ def test_info_of_the_smollm2_gguf():
     per_block = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
     assert facts["parameters"] == vocab * hidden + layers * per_block + hidden  # tied output: 134,515,008
     assert facts["layers"] == 30 and facts["context_length"] == 8192 and facts["vocab_size"] == vocab
-    assert facts["quantization"]["bits"] == 4 and facts["quantization"]["group_size"] == 32
+    # the file's blocks, as llama.cpp's Q4_1 mix holds them: every projection Q4_1, the token table Q8_0
+    assert facts["quantization"]["ggml_types"] == {"Q4_1": 210, "Q8_0": 1} and facts["quantization"]["bits"] is None
     assert facts["chat_template"] and facts["eos_tokens"] == ["<|im_end|>"]

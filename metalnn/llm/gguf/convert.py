@@ -69,11 +69,8 @@ class Converter:
     global_names = GLOBAL_NAMES
     block_names = BLOCK_NAMES
     #: whether the converter passes GGML blocks through (row transforms only); a converter that regroups
-    #: columns sets False and gets the weights no MLX layout holds decoded to float32
+    #: columns sets False and gets Q4_0 ... Q8_0 as MLX's affine groups, the other block types as float32
     keeps_ggml_blocks = True
-    #: GGUF tensors kept as GGML blocks even when MLX's affine layout could hold them: the token table,
-    #: whose rows `GGMLEmbedding` decodes in float32
-    block_tensors = ("token_embd.weight",)
 
     def __init__(self, header: GGUFHeader):
         self.header = header
@@ -217,8 +214,9 @@ class Converter:
         return array
 
     def quantization(self, tensors: dict) -> dict | None:
-        """The ``quantization`` config (metalnn / MLX form) of the layers the file stores quantized: MLX's
-        affine settings for the Q4_0 ... Q8_0 weights, ``{"ggml_type": ...}`` for those kept as blocks."""
+        """The ``quantization`` config (metalnn / MLX form) of the layers the file stores quantized:
+        ``{"ggml_type": ...}`` for those kept as blocks, MLX's affine settings for Q4_0 ... Q8_0 weights
+        read as MLX's layout (converters that regroup columns)."""
         affine, blocks = {}, {}
         for info in self.header.tensors.values():
             name = self.hf_name(info.name) if info.name.endswith(".weight") else None
@@ -269,9 +267,7 @@ def read_checkpoint(path, converters: dict) -> GGUFCheckpoint:
     header = read_header(path)
     converter = converter_for(header, converters)(header)
     config = converter.config()
-    keeps = converter.keeps_ggml_blocks
-    arrays, converter.packed = read_tensors(header, keep_blocks=converter.block_tensors if keeps else (),
-                                            decode_blocks=not keeps)
+    arrays, converter.packed = read_tensors(header, regroupable=not converter.keeps_ggml_blocks)
     tensors = converter.convert(arrays, config)
     q = converter.quantization(tensors)
     if q is not None:

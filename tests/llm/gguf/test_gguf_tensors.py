@@ -1,8 +1,9 @@
 """Reading a GGUF file's tensors kept packed (metalnn.llm.gguf.tensors) against gguf-py: files written
 with gguf's GGUFWriter holding every GGML type (random valid blocks), read back and compared with
-gguf-py's dequantization of the same bytes. Float tensors are returned as stored; the Q4_0 ... Q8_0
-blocks become MLX's affine layout whose values equal gguf-py's exactly (as numbers: a zero may come
-out +0 where ggml gives -0); every other type is kept byte for byte."""
+gguf-py's dequantization of the same bytes. Float tensors are returned as stored and every block type
+is kept byte for byte; read for a regrouping converter, the Q4_0 ... Q8_0 blocks become MLX's affine
+layout whose values equal gguf-py's exactly (as numbers: a zero may come out +0 where ggml gives -0)
+and the other types float32 equal to gguf-py's."""
 
 import gguf
 import mlx.core as mx
@@ -55,10 +56,11 @@ def every_type_file(tmp_path_factory):
     return path, tensors
 
 
-def test_every_type_reads_packed_and_decodes_as_gguf_py(every_type_file):
+@pytest.mark.parametrize("regroupable", [False, True])
+def test_every_type_reads_packed_and_decodes_as_gguf_py(every_type_file, regroupable):
     path, tensors = every_type_file
     header = read_header(path)
-    arrays, packed_types = read_tensors(header)
+    arrays, packed_types = read_tensors(header, regroupable=regroupable)
     for name, (qtype, rows, cols, data) in tensors.items():
         stem = name[:-len(".weight")]
         if qtype in ("F32", "F16", "BF16"):
@@ -68,7 +70,12 @@ def test_every_type_reads_packed_and_decodes_as_gguf_py(every_type_file):
             np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want.astype(np.float32).reshape(got.shape))
             continue
         want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).astype(np.float32)
-        if qtype in AFFINE:
+        if not regroupable:
+            assert packed_types[name] == qtype
+            np.testing.assert_array_equal(np.array(arrays[name]), data)
+            got = ggml.get_type(qtype).decode(arrays[name])
+            np.testing.assert_array_equal(np.array(got).view(np.uint32), want.view(np.uint32))
+        elif qtype in AFFINE:
             assert name not in packed_types
             bits = AFFINE[qtype][0]
             w, s, b = arrays[f"{stem}.weight"], arrays[f"{stem}.scales"], arrays[f"{stem}.biases"]
@@ -76,10 +83,8 @@ def test_every_type_reads_packed_and_decodes_as_gguf_py(every_type_file):
             got = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), 32, bits)
             np.testing.assert_array_equal(np.array(got), want)
         else:
-            assert packed_types[name] == qtype
-            np.testing.assert_array_equal(np.array(arrays[name]), data)
-            got = ggml.get_type(qtype).decode(arrays[name])
-            np.testing.assert_array_equal(np.array(got).view(np.uint32), want.view(np.uint32))
+            assert not packed_types and arrays[name].dtype == mx.float32
+            np.testing.assert_array_equal(np.array(arrays[name]).view(np.uint32), want.view(np.uint32))
 
 
 def test_packed_tensors_take_at_most_1_2x_their_bytes_in_the_file(every_type_file):

@@ -71,23 +71,24 @@ def hf_tok():
 def test_parameters_stay_quantized(ours):
     linears = [m for _, m in ours.named_modules() if isinstance(m, (mn.Linear, mn.Embedding))]
     assert not linears, "every projection and the embedding stay quantized"
-    quantized = [m for _, m in ours.named_modules() if isinstance(m, (mn.QuantizedLinear, mn.GGMLEmbedding))]
+    quantized = [m for _, m in ours.named_modules() if isinstance(m, (mn.GGMLLinear, mn.GGMLEmbedding))]
     assert len(quantized) == 30 * 7 + 1  # q, k, v, o, gate, up, down per block + the (tied) embedding
     from metalnn.llm.gguf.reader import read_header
 
     header = read_header(FILE)
-    # the token table keeps the file's blocks
+    # every quantized tensor keeps the file's blocks
     assert ours.model.embed_tokens.ggml_type == header.tensors["token_embd.weight"].type
+    assert ours.model.layers[0].self_attn.q_proj.ggml_type == header.tensors["blk.0.attn_q.weight"].type
     logical = 0
     for _, m in ours.named_modules():
-        if isinstance(m, mn.QuantizedLinear):
-            logical += m.weight.shape[0] * m.packed_width
+        if isinstance(m, mn.GGMLLinear):
+            logical += m.out_features * m.in_features
         elif isinstance(m, mn.GGMLEmbedding):
             logical += m.num_embeddings * m.dims
     logical += sum(a.size for k, a in ours.named_parameters().items() if k.endswith("norm.weight"))
     stored = sum(a.nbytes for a in ours.named_parameters().values())
     assert 134_000_000 < logical < 136_000_000  # SmolLM2-135M
-    # kept packed: the parameters take no more than the file (Q4_1: float16 scales and minimums, as stored)
+    # kept packed: the parameters take no more than the file
     file_bytes = Path(FILE).stat().st_size
     assert stored <= 1.2 * file_bytes, f"{stored / 2**20:.1f} MiB for a {file_bytes / 2**20:.1f} MiB file"
 

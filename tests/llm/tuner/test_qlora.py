@@ -287,4 +287,6 @@ def test_qlora_teaches_smollm2_a_new_answer_and_its_base_stays_quantized():
     assert greedy_reply() == "The cat is called Pip Marlowe.<|im_end|>\n", trainer.history["loss"]
     after = base_bytes(model)
     assert after.keys() == before.keys() and all(after[k] == before[k] for k in before)
-    assert all(isinstance(m.base_layer, mn.QuantizedLinear) for m in lora.adapters(model).values())
+    # the adapters trained over the file's own Q4_1 blocks (GGMLLinear), which stayed as they were
+    assert all(isinstance(m.base_layer, mn.GGMLLinear) and m.base_layer.ggml_type == "Q4_1"
+               for m in lora.adapters(model).values())

@@ -132,7 +132,8 @@ def quantization_of_tensors(tensors: dict) -> dict | None:
 class HybridConverter(Converter):
     """Files of a Gated DeltaNet hybrid: every ``full_attention_interval``-th layer full attention, the
     others linear attention; `convert` walks the blocks and calls the hooks for what differs. Its column
-    regrouping needs MLX's affine groups: weights of other GGML types arrive decoded to float32."""
+    regrouping needs MLX's affine groups: Q4_0 ... Q8_0 weights arrive as them, other GGML types decoded
+    to float32."""
 
     keeps_ggml_blocks = False
 
