@@ -5,6 +5,7 @@
     metalnn chat MODEL                      talk to a model in the terminal
     metalnn serve MODEL                     OpenAI-compatible HTTP server with a chat page
     metalnn quantize MODEL OUT              write a quantized copy
+    metalnn export MODEL OUT.gguf           write a GGUF file for llama.cpp / Ollama (--type Q4_K_M)
     metalnn lora MODEL --train DATA.jsonl   train LoRA adapters (PEFT format)
     metalnn bench MODEL                     prompt and generation speed
 
@@ -18,10 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chat, generate, info, lora, quantize, serve
+from . import bench, chat, export, generate, info, lora, quantize, serve
 from .common import EXPECTED_ERRORS, one_line
 
-COMMANDS = (info, generate, chat, serve, quantize, lora, bench)
+COMMANDS = (info, generate, chat, serve, quantize, export, lora, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

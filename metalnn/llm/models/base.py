@@ -331,3 +331,11 @@ class CausalLM(Layer):
         tmp.write_text(json.dumps(self.hf_config(), indent=2, sort_keys=True) + "\n")
         tmp.replace(path / "config.json")
         return path
+
+    def save_gguf(self, path, type: str = "Q4_K_M", tokenizer=None, **kwargs) -> Path:
+        """Write the model as a GGUF file llama.cpp, Ollama and LM Studio load, in the mix ``type``
+        (``Q4_K_M``, ``Q5_K_M``, ``Q6_K``, ``Q8_0``, ``Q4_0``, ``F16``, ``BF16``, ``F32``); ``tokenizer``:
+        the model's `Tokenizer` or its ``.gguf`` file. See `metalnn.llm.gguf.export.save_gguf`."""
+        from ..gguf.export import save_gguf
+
+        return save_gguf(self, path, type=type, tokenizer=tokenizer, **kwargs)
