@@ -11,7 +11,31 @@ from ..data import Data, MTLSize
 from .base import Layer
 
 
-class Embedding(Layer):
+class TokenLookup:
+    """What token tables share (`Embedding`, `QuantizedEmbedding`, `GGMLEmbedding`): ids in, rows out.
+
+    A subclass implements ``lookup(ids)``: ``ids`` ``[N, T]`` integers -> ``[N, T, dims]`` rows. Ids of
+    dims ``(W=T, H, D)`` give ``(W=dims, H=T, D=H*D)``; a plain ``[B, T]`` (or ``[T]``) array gives
+    ``[B, T, dims]`` (``[T, dims]``)."""
+
+    def forward(self, device, data):
+        ids = data.array
+        if not mx.issubdtype(ids.dtype, mx.integer):
+            ids = ids.astype(mx.int32)
+        d = data.dims
+        batch = d.H * d.D
+        return Data(self.lookup(ids.reshape(batch, d.W)), MTLSize(self.dims, d.W, batch))
+
+    def to_data(self, x):
+        if x.ndim not in (1, 2):
+            raise ValueError(f"{self._describe()}: token ids must be [T] or [B, T], got shape {tuple(x.shape)}")
+        return Data(x.reshape(-1, x.shape[-1]))
+
+    def from_data(self, out, x):
+        return out.array.reshape(*x.shape, self.dims)
+
+
+class Embedding(TokenLookup, Layer):
     """Look up rows of a ``[num_embeddings, dims]`` table (as ``mlx.nn.Embedding``).
 
     Input: token ids (integers, or floats holding integers). A plain array ``[B, T]`` (or ``[T]``)
@@ -38,22 +62,8 @@ class Embedding(Layer):
                            initializers.construction_key(), dtype or mx.float32)
         self._built = True
 
-    def forward(self, device, data):
-        ids = data.array
-        if not mx.issubdtype(ids.dtype, mx.integer):
-            ids = ids.astype(mx.int32)
-        d = data.dims
-        batch = d.H * d.D
-        y = self.weight[ids.reshape(batch, d.W)]
-        return Data(y, MTLSize(self.dims, d.W, batch))
-
-    def to_data(self, x):
-        if x.ndim not in (1, 2):
-            raise ValueError(f"{self._describe()}: token ids must be [T] or [B, T], got shape {tuple(x.shape)}")
-        return Data(x.reshape(-1, x.shape[-1]))
-
-    def from_data(self, out, x):
-        return out.array.reshape(*x.shape, self.dims)
+    def lookup(self, ids):
+        return self.weight[ids]
 
     def as_linear(self, x, *, device=None):
         """``x @ weight.T``: use the table as an output projection (tied embeddings). ``device`` is

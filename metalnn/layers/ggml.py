@@ -14,6 +14,7 @@ from .. import functional as F
 from .. import ggml
 from ..data import Data, MTLSize
 from .base import Layer
+from .embedding import TokenLookup
 
 
 def _positive(layer, name, v):
@@ -100,7 +101,7 @@ class GGMLLinear(_Packed):
                 f"ggml_type={self.ggml_type}, bias={self.use_bias}")
 
 
-class GGMLEmbedding(_Packed):
+class GGMLEmbedding(TokenLookup, _Packed):
     """`Embedding` with the ``[num_embeddings, dims]`` table packed in a GGML type.
 
     Looking up ids decodes only the rows used; `as_linear` multiplies by the table as an output
@@ -131,22 +132,8 @@ class GGMLEmbedding(_Packed):
         layer.freeze()
         return layer
 
-    def forward(self, device, data):
-        ids = data.array
-        if not mx.issubdtype(ids.dtype, mx.integer):
-            ids = ids.astype(mx.int32)
-        d = data.dims
-        batch = d.H * d.D
-        y = self.qtype.decode(self.weight[ids.reshape(batch, d.W)])
-        return Data(y, MTLSize(self.dims, d.W, batch))
-
-    def to_data(self, x):
-        if x.ndim not in (1, 2):
-            raise ValueError(f"{self._describe()}: token ids must be [T] or [B, T], got shape {tuple(x.shape)}")
-        return Data(x.reshape(-1, x.shape[-1]))
-
-    def from_data(self, out, x):
-        return out.array.reshape(*x.shape, self.dims)
+    def lookup(self, ids):
+        return self.qtype.decode(self.weight[ids])
 
     def as_linear(self, x, *, device=None):
         """``x @ table.T`` ``[..., dims] -> [..., num_embeddings]`` (tied output projection)."""

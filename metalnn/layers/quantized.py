@@ -22,6 +22,7 @@ import mlx.core as mx
 from .. import init as initializers
 from ..data import Data, MTLSize
 from .. import functional as F
+from .embedding import TokenLookup
 from .base import Layer
 from .linear import float_dtype
 
@@ -176,7 +177,7 @@ class QuantizedLinear(_Quantized):
                 f"bias={self.use_bias}, group_size={self.group_size}, bits={self.bits}, mode={self.mode}")
 
 
-class QuantizedEmbedding(_Quantized):
+class QuantizedEmbedding(TokenLookup, _Quantized):
     """`Embedding` with the ``[num_embeddings, dims]`` table stored quantized.
 
     Looking up ids dequantizes only the rows used; `as_linear` multiplies by the table as an output
@@ -207,25 +208,10 @@ class QuantizedEmbedding(_Quantized):
         self.freeze()
         self._built = True
 
-    def forward(self, device, data):
-        ids = data.array
-        if not mx.issubdtype(ids.dtype, mx.integer):
-            ids = ids.astype(mx.int32)
-        d = data.dims
-        batch = d.H * d.D
-        ids = ids.reshape(batch, d.W)
+    def lookup(self, ids):
         b = self._biases()
-        y = F.dequantize_weight(self.weight[ids], self.scales[ids], None if b is None else b[ids], self.group_size, self.bits,
-                        self.mode, self.dtype)
-        return Data(y, MTLSize(self.dims, d.W, batch))
-
-    def to_data(self, x):
-        if x.ndim not in (1, 2):
-            raise ValueError(f"{self._describe()}: token ids must be [T] or [B, T], got shape {tuple(x.shape)}")
-        return Data(x.reshape(-1, x.shape[-1]))
-
-    def from_data(self, out, x):
-        return out.array.reshape(*x.shape, self.dims)
+        return F.dequantize_weight(self.weight[ids], self.scales[ids], None if b is None else b[ids], self.group_size,
+                                   self.bits, self.mode, self.dtype)
 
     def as_linear(self, x, *, device=None):
         """``x @ table.T`` ``[..., dims] -> [..., num_embeddings]`` (tied output projection); ``device``
