@@ -128,6 +128,11 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+def _layer(name: str) -> int:
+    # llama-quantize sorts the weights by layer and counts attn_v / ffn_down in that order
+    return int(name.split(".")[1])
+
+
 def _fits(type_name: str, cols: int) -> bool:
     from ...ggml import get_type
 
@@ -140,13 +145,12 @@ def tensor_types(shapes: dict, export_type: str) -> dict:
     file without an importance matrix: 1-D tensors float32; the output head (the tied token table when
     there is none) Q8_0 when its rows are not whole blocks of the mix's type, else Q6_K unless the mix
     is Q8_0; in Q4_K_M / Q5_K_M the ``attn_v`` and ``ffn_down`` weights of the layers
-    ``use_more_bits`` picks Q6_K; then the fallback for rows not whole blocks."""
+    ``use_more_bits`` picks (by layer index: llama-quantize sorts the weights by layer) Q6_K; then the fallback for rows not whole blocks."""
     export_type = normalize_type(export_type)
     base = EXPORT_TYPES[export_type][0]
     tied = "output.weight" not in shapes
     n_v = sum(1 for n in shapes if n.endswith(".attn_v.weight"))
     n_down = sum(1 for n in shapes if n.endswith(".ffn_down.weight"))
-    i_v = i_down = 0
     types = {}
     for name, shape in shapes.items():
         if len(shape) < 2:
@@ -162,13 +166,11 @@ def tensor_types(shapes: dict, export_type: str) -> dict:
             elif base != "Q8_0":
                 t = "Q6_K"
         elif name.endswith(".attn_v.weight"):
-            if export_type in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_v, n_v):
+            if export_type in ("Q4_K_M", "Q5_K_M") and _use_more_bits(_layer(name), n_v):
                 t = "Q6_K"
-            i_v += 1
         elif name.endswith(".ffn_down.weight"):
-            if export_type in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_down, n_down):
+            if export_type in ("Q4_K_M", "Q5_K_M") and _use_more_bits(_layer(name), n_down):
                 t = "Q6_K"
-            i_down += 1
         if not _fits(t, cols):
             t = FALLBACK.get(t, "F16")
             if not _fits(t, cols):
