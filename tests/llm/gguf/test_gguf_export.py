@@ -7,9 +7,12 @@ Tolerances:
 * F16 / BF16: the same model with its weights rounded to half / bfloat16 (1e-4), so the only
   difference to the model's logits is the weights' rounding.
 * Quantized mixes: transformers' logits of the file equal metalnn's logits of its own reading of the
-  file (1e-4: both use the exact dequantized values); against the float model, Q8_0 moves the
-  logits by at most 2% of their range (8-bit weights: relative error <= 1/254 per block), Q4_K_M by
-  at most 15% (on the tiny models every row is shorter than 256, so the mix is mostly Q5_0 / Q8_0).
+  file (1e-4: both use the exact dequantized values); against the float model, the logits' relative
+  RMS error is bounded by `BOUNDS`: a b-bit block quantizer's error is uniform within half a step,
+  amax / 2^b, so it halves with each bit; the random weights of these models (no outliers, small
+  logits) carry it to the logits as measured: Q8_0 1.7%, Q6_K < 4%, Q5_K_M ~10%, Q4_K_M ~13%,
+  Q4_0 ~24%; about twice that is allowed.
+  On the tiny models every row is shorter than 256, so Q4_K_M / Q5_K_M are mostly Q5_0 / Q5_1 / Q8_0.
 """
 
 import os
@@ -34,6 +37,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ATOL = 1e-4
 TOKENS = np.random.default_rng(0).integers(0, 400, (2, 11)).tolist()
 ARCHS = ["llama", "llama_tied", "qwen2", "qwen3"]
+#: relative RMS error of a quantized export's logits against the float model's (see the module doc)
+BOUNDS = {"Q8_0": 0.035, "Q6_K": 0.06, "Q5_K_M": 0.22, "Q4_K_M": 0.28, "Q4_0": 0.5}
 
 #: the layers whose attn_v / ffn_down llama.cpp's Q4_K_M and Q5_K_M give more bits, on SmolLM2 (30 layers)
 MORE = {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}
@@ -136,9 +141,8 @@ def test_quantized_exports_read_back_exactly_and_stay_close(sources, exports, na
     # metalnn reading its own export (packed) and transformers' dequantized reading: the same model
     np.testing.assert_allclose(_logits(load_pretrained(out)), theirs, atol=ATOL, rtol=0)
     want = _logits(load_pretrained(sources[name]))
-    spread = want.max() - want.min()
-    bound = {"Q8_0": 0.02, "Q6_K": 0.05}.get(t, 0.15)
-    assert np.abs(theirs - want).max() < bound * spread, (t, np.abs(theirs - want).max() / spread)
+    error = np.linalg.norm(theirs - want) / np.linalg.norm(want)
+    assert error < BOUNDS[t], (t, error)
 
 
 def test_mix_types_match_llama_quantize_on_smollm2():
@@ -173,7 +177,7 @@ def test_smollm2_export_loads_and_matches(tmp_path):
     out = tmp_path / "smollm2-q8_0.gguf"
     assert cli(["export", str(src), str(out), "--type", "q8_0"]) == 0
     want, got = GGUFReader(str(src)), GGUFReader(str(out))
-    assert [t.name for t in got.tensors] == [t.name for t in want.tensors]
+    assert sorted(t.name for t in got.tensors) == sorted(t.name for t in want.tensors)
     assert {t.tensor_type.name for t in got.tensors} == {"Q8_0", "F32"}
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "llama.block_count",
                 "llama.rope.freq_base", "llama.attention.head_count_kv", "llama.context_length"):
