@@ -8,6 +8,10 @@
    llama.cpp (which also proves llama.cpp loads metalnn's file). The issue asks for metalnn's within 2%.
 
     python scripts/check_gguf_export.py [--llamacpp ~/.cache/llamacpp/build/bin] [--chunks 40] [--threads 2]
+
+Measured (SmolLM2-135M-Instruct, kjv_genesis_exodus.txt, -c 512, 20 chunks): metalnn's Q4_K_M file has
+llama.cpp's 272 tensors with the same types and is byte-identical with llama-quantize's; perplexity F16
+5.2835, Q4_K_M by llama-quantize 5.9146, Q4_K_M by metalnn 5.9146 (+0.000%).
 """
 
 from __future__ import annotations

@@ -406,7 +406,7 @@ def save_gguf(model, path, type: str = "Q4_K_M", tokenizer=None, *, name: str | 
     if isinstance(tokenizer, (str, os.PathLike)):
         copied = _gguf_tokenizer_metadata(tokenizer)
         if copied is None:
-            from ..models import load_tokenizer
+            from ..tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer)
     tensors = gguf_tensors(model, arch)

@@ -25,7 +25,6 @@ import transformers
 from gguf import GGUFReader
 
 import gguf_files as G
-import metalnn as mn
 from metalnn.cli import main as cli
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.gguf.export import EXPORT_TYPES, save_gguf, tensor_types
