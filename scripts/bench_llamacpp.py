@@ -1,0 +1,107 @@
+"""Speed side by side with llama.cpp on the same GGUF files: ``llama-bench`` against metalnn.
+
+Files: the bundled SmolLM2-135M-Instruct Q4_1, and Q8_0 and Q4_K_M made from it by ``llama-quantize``
+(through an F16 file, cached in ``--work``, as ``gguf_perplexity.py`` makes them).
+
+* llama.cpp: ``llama-bench -m FILE -t THREADS -p 512 -n 64 -o json`` (``pp512``: one batch of 512
+  prompt tokens; ``tg64``: 64 tokens generated one at a time from an empty context; the mean of its
+  repetitions);
+* metalnn: as ``metalnn bench`` times it (`metalnn.cli.bench.measure`: `stream_generate`, greedy,
+  the KV cache, the next step queued while the previous one runs). Prompt: the time to the first new
+  token of a 512-token random prompt (one forward over the 512 tokens) -> 512 / s. Decode: like
+  ``tg64``, 64 tokens after a 1-token prompt (65 new tokens; the 64 after the first timed). One
+  warm-up, then the median of ``--runs`` runs.
+
+The machine's load average is printed before and after: other processes on the cores change both
+sides (the two run one after the other, not at once).
+
+    python scripts/bench_llamacpp.py [--types Q4_1,Q8_0,Q4_K_M] [--threads 2] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_common as common  # noqa: E402
+
+
+def bench_llamacpp(path: Path, threads: int, prompt: int, gen: int, bin_folder, timeout: int = 600):
+    """``(prompt tokens/s, decode tokens/s)`` of ``llama-bench``."""
+    cmd = [common.tool("llama-bench", bin_folder), "-m", str(path), "-t", str(threads), "-p", str(prompt),
+           "-n", str(gen), "-o", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        sys.exit(f"llama-bench failed on {path.name} ({res.returncode}):\n{res.stderr[-3000:]}")
+    out = json.loads(res.stdout)
+    pp = next(r["avg_ts"] for r in out if r["n_prompt"] == prompt and r["n_gen"] == 0)
+    tg = next(r["avg_ts"] for r in out if r["n_gen"] == gen and r["n_prompt"] == 0)
+    return pp, tg
+
+
+def bench_metalnn(path: Path, prompt: int, gen: int, runs: int):
+    """``(prompt tokens/s, decode tokens/s)`` of metalnn, timed as ``metalnn bench`` times it."""
+    import metalnn as mn
+    from metalnn.cli.bench import measure
+
+    model = mn.models.load_pretrained(path)
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, prompt).tolist()
+    measure(model, tokens, 4)  # warm-up
+    measure(model, tokens[:1], 4)
+    pp = statistics.median(measure(model, tokens, 1)[0] for _ in range(runs))
+    tg = statistics.median(measure(model, tokens[:1], gen + 1)[1] for _ in range(runs))
+    del model
+    gc.collect()
+    return prompt / pp, gen / tg
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=common.DEFAULT_WORK, help="where the made files are cached")
+    p.add_argument("--types", default="Q4_1,Q8_0,Q4_K_M", help="comma-separated types (default Q4_1,Q8_0,Q4_K_M)")
+    p.add_argument("--threads", type=int, default=2, help="llama-bench threads (default 2)")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--gen", type=int, default=64, help="generated tokens (default 64)")
+    p.add_argument("--runs", type=int, default=3, help="metalnn runs, median (default 3)")
+    p.add_argument("--llamacpp", default=None, help="folder of llama.cpp's tools")
+    args = p.parse_args(argv)
+
+    import mlx.core as mx
+
+    import metalnn
+
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
+    files = common.make_files(args.work, types, args.llamacpp)
+    before = common.load_line()
+    print(f"{platform.machine()} {platform.processor() or ''}, {common.load_line()}", flush=True)
+    rows = []
+    for t in types:
+        ll_pp, ll_tg = bench_llamacpp(files[t], args.threads, args.prompt, args.gen, args.llamacpp)
+        mn_pp, mn_tg = bench_metalnn(files[t], args.prompt, args.gen, args.runs)
+        rows.append((t, files[t].stat().st_size, ll_tg, mn_tg, ll_pp, mn_pp))
+        print(f"  {t}: llama.cpp pp{args.prompt} {ll_pp:.1f} tg{args.gen} {ll_tg:.1f}; metalnn prompt {mn_pp:.1f} "
+              f"decode {mn_tg:.1f} tokens/s; {common.load_line()}", flush=True)
+
+    print(f"\nllama.cpp {common.llamacpp_version(args.llamacpp)} ({args.threads} threads); metalnn "
+          f"{getattr(metalnn, '__version__', '?')}, MLX {mx.__version__}")
+    print(f"load before: {before}; after: {common.load_line()}")
+    print(f"| file | llama.cpp decode (tg{args.gen}) | metalnn decode | ratio | llama.cpp prompt (pp{args.prompt}) "
+          "| metalnn prompt | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for t, size, ll_tg, mn_tg, ll_pp, mn_pp in rows:
+        print(f"| SmolLM2-135M {t} ({size / 1e6:.0f} MB) | {ll_tg:.1f} tokens/s | {mn_tg:.1f} | {mn_tg / ll_tg:.2f}x "
+              f"| {ll_pp:.1f} tokens/s | {mn_pp:.1f} | {mn_pp / ll_pp:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
