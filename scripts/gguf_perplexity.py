@@ -17,6 +17,10 @@ chunk a fresh context, and only the second half scored (the logits at positions
   differ, metalnn is also run on llama.cpp's tokens and transformers only on those (the two models are
   compared on the same tokens, and the tokenizer apart from the model).
 
+Where metalnn and llama.cpp differ by more than 2% on the same tokens, llama.cpp is also run on its own
+float32 dequantization of the file (``llama-quantize --allow-requantize FILE OUT F32``): when that agrees
+with metalnn, the difference is llama.cpp's products with 8-bit-quantized activations, not the weights.
+
 Also each file's size and metalnn's loaded parameter bytes. Checks (exit status 1 when one fails):
 params <= 1.2x file, |metalnn/transformers - 1| <= 0.2%, |metalnn/llama.cpp - 1| <= 2%.
 
@@ -225,6 +229,17 @@ def main(argv=None):
         for key, what in (("d_ll", "metalnn (its tokens)"), ("d_ll_same", "metalnn (llama.cpp's tokens)")):
             if row[key] > MAX_LLAMACPP and (key == "d_ll" or not same):
                 failures.append(f"{t}: {what}/llama.cpp off by {row[key]:.3%} (> {MAX_LLAMACPP:.0%})")
+        if row["d_ll_same"] > MAX_LLAMACPP and t not in ("F16", "BF16", "F32"):
+            # Which side is off: llama.cpp on its own float32 dequantization of the file (its products then
+            # take float activations, not the 8-bit-quantized ones of its quantized dot products).
+            with tempfile.TemporaryDirectory() as tmp:
+                f32 = common.quantize(path, Path(tmp) / f"{t}-dequantized.F32.gguf", "F32", args.llamacpp)
+                ppl_f32, _ = ppl_llamacpp(f32, text_file, args.ctx, n_chunks, args.threads, args.llamacpp)
+            note = (f"{t}: llama.cpp on its own F32 dequantization of the file: PPL {ppl_f32:.4f} "
+                    f"(metalnn/that - 1 = {abs(ppl_mn_ll / ppl_f32 - 1):.3%}; llama.cpp's quantized products "
+                    f"{ppl_ll / ppl_f32 - 1:+.3%})")
+            print("  " + note, flush=True)
+            failures.append(note)
         hf = "-" if ppl_hf is None else f"{ppl_hf:.4f}"
         print(f"  {t}: metalnn {ppl_mn:.4f} (on llama.cpp's tokens {ppl_mn_ll:.4f}), transformers {hf}, "
               f"llama.cpp {ppl_ll:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
