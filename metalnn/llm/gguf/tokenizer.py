@@ -27,6 +27,10 @@ PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
+#: ``tokenizer.ggml.pre`` values whose text is split into single digits before GPT-2's split (llama.cpp's
+#: SmolLM pre-tokenizer: ``\p{N}`` first, then GPT-2's expression; SmolLM's own tokenizer.json does the
+#: same with ``Digits(individual_digits=True)`` before ``ByteLevel``)
+SINGLE_DIGIT_PRE = {"smollm"}
 
 
 def _tokenizers():
@@ -87,8 +91,13 @@ def _byte_level(meta):
         merges = _split_merges(merges)
     tok = t.Tokenizer(t.models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
                                    fuse_unk=False))
-    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
-    if split is None:
+    pre = meta.get("tokenizer.ggml.pre")
+    split = PRE_TOKENIZER_SPLITS.get(pre)
+    if pre in SINGLE_DIGIT_PRE:
+        tok.pre_tokenizer = t.pre_tokenizers.Sequence([
+            t.pre_tokenizers.Digits(individual_digits=True),
+            t.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif split is None:
         tok.pre_tokenizer = t.pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         tok.pre_tokenizer = t.pre_tokenizers.Sequence([
