@@ -22,10 +22,10 @@ import pytest
 
 import metalnn as mn
 from metalnn.llm.tuner import lora
-from metalnn.llm.bundled import SMOLLM2_INSTALL, smollm2_path
 from metalnn.llm.text_generation import TextStream
 
 from app_models import save_tiny_model
+from bundled_model import smollm2_file
 
 COMMANDS = ("info", "generate", "chat", "serve", "quantize", "lora", "bench")
 
@@ -280,10 +280,9 @@ def test_errors_are_one_clear_line(tiny, tmp_path):
     assert metalnn_cmd().returncode == 2
 
 
-@pytest.mark.skipif(smollm2_path() is None, reason=f"needs the SmolLM2 GGUF file: {SMOLLM2_INSTALL}")
 def test_info_of_the_smollm2_gguf():
     """The facts of SmolLM2-135M-Instruct (Q4_1): its published architecture numbers."""
-    facts = json.loads(metalnn_cmd("info", smollm2_path(), "--json").stdout)
+    facts = json.loads(metalnn_cmd("info", smollm2_file(), "--json").stdout)
     hidden, ffn, layers, vocab, kv = 576, 1536, 30, 49152, 3 * 64
     per_block = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
     assert facts["parameters"] == vocab * hidden + layers * per_block + hidden  # tied output: 134,515,008

