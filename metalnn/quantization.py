@@ -155,28 +155,30 @@ def config_of(model) -> dict | None:
     and float `Linear` / `Embedding` layers an entry ``False``.
     """
     layers = quantized_layers(model)
+    ggml_layers = (GGMLLinear, GGMLEmbedding)
     cfg = config_from_settings({path: (m.group_size, m.bits, m.mode) for path, m in layers
-                                if not isinstance(m, (GGMLLinear, GGMLEmbedding))})
-    packed = {path: {"ggml_type": m.ggml_type} for path, m in layers if isinstance(m, (GGMLLinear, GGMLEmbedding))}
-    if cfg is None and not packed:
+                                if not isinstance(m, ggml_layers)},
+                               {path: m.ggml_type for path, m in layers if isinstance(m, ggml_layers)})
+    if cfg is None:
         return None
-    cfg = cfg or {"group_size": 32, "bits": 4, "mode": "affine"}   # defaults no layer uses
-    cfg.update(packed)
     for path, _ in eligible_layers(model):
         cfg[path] = False
     return cfg
 
 
-def config_from_settings(layers: dict) -> dict | None:
-    """A ``quantization`` config dict from ``{module path: (group_size, bits, mode)}``: the most
-    common settings are the defaults, the other layers get per-layer entries (None if empty)."""
-    if not layers:
+def config_from_settings(layers: dict, ggml_types: dict | None = None) -> dict | None:
+    """A ``quantization`` config dict from ``{module path: (group_size, bits, mode)}`` and
+    ``{module path: GGML type name}``: the most common affine settings are the defaults, the other layers
+    get per-layer entries (None if both are empty; with GGML layers only, the defaults are the config
+    format's required keys and no layer uses them)."""
+    if not layers and not ggml_types:
         return None
-    (g, b, mode), _ = Counter(layers.values()).most_common(1)[0]
+    (g, b, mode), _ = Counter(layers.values()).most_common(1)[0] if layers else ((32, 4, "affine"), 0)
     cfg = {"group_size": g, "bits": b, "mode": mode}
     for path, settings in layers.items():
         if settings != (g, b, mode):
             cfg[path] = dict(zip(("group_size", "bits", "mode"), settings))
+    cfg.update({path: {"ggml_type": t} for path, t in (ggml_types or {}).items()})
     return cfg
 
 

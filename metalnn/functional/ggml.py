@@ -48,27 +48,24 @@ def _decoded_product(qtype, dtype, native):
     """``f(x, weight) = x @ decode(weight).T`` whose backward decodes the weight again (the packed
     weight gets a zero gradient: it is not trainable). ``native``: decode with `metalnn.cpu.ggml`
     instead of the MLX decoder (bit-identical)."""
-    device = None if native else _REFERENCE
+    decode = functools.partial(cpu_ggml.dequantize, type_name=qtype) if native else qtype.decode
+
+    def weight_of(packed):
+        w = decode(packed)
+        return w if dtype == mx.float32 else w.astype(dtype)
 
     @mx.custom_function
     def product(x, weight):
-        return x @ ggml_dequantize(weight, qtype, dtype, device=device).T
+        return x @ weight_of(weight).T
 
     @product.vjp
     def product_vjp(primals, cotangent, output):
         x, weight = primals
         later = mx.depends([weight], [cotangent])[0]   # decoded after the cotangent exists
-        dx = (cotangent @ ggml_dequantize(later, qtype, dtype, device=device)).astype(x.dtype)
+        dx = (cotangent @ weight_of(later)).astype(x.dtype)
         return dx, mx.zeros_like(weight)
 
     return product
-
-
-class _Reference:
-    kernels = "reference"
-
-
-_REFERENCE = _Reference()
 
 
 def ggml_matmul(x, weight, qtype, *, device=None):

@@ -224,14 +224,10 @@ class Converter:
                 continue
             module = name[: -len(".weight")]
             if info.name in self.packed:
-                blocks[module] = {"ggml_type": self.packed[info.name]}
+                blocks[module] = self.packed[info.name]
             elif info.type in AFFINE:
                 affine[module] = (32, AFFINE[info.type][0], "affine")
-        if not affine and not blocks:
-            return None
-        config = config_from_settings(affine) or {"group_size": 32, "bits": 4, "mode": "affine"}
-        config.update(blocks)
-        return config
+        return config_from_settings(affine, blocks)
 
 
 class Misfit(Exception):
