@@ -131,8 +131,3 @@ def _read_one(info, raw, arrays, packed, regroupable):
         return
     arrays[f"{stem}.weight"] = data
     packed[f"{stem}.weight"] = info.type
-
-
-def affine_bits(qtype: str) -> int | None:
-    """MLX affine bits of a GGML type that maps onto that layout (group size 32), else None."""
-    return AFFINE[qtype][0] if qtype in AFFINE else None
