@@ -36,7 +36,7 @@ from . import native_ext as _native_ext
 from .device import on_cpu
 
 __all__ = ["matmul", "dequantize", "available", "unavailable_reason", "supports", "has_avx2", "native_types",
-           "MATMUL_MAX_ROWS"]
+           "native_type_ids", "MATMUL_MAX_ROWS"]
 
 # The loaded extension or None; read at every call (tests swap in None for the fallback).
 _ext = _native_ext.extension()
@@ -80,6 +80,11 @@ def native_types() -> tuple:
         return ()
     ids = set(_ext.ggml_type_ids())
     return tuple(name for name, cls in _ggml.TYPES.items() if cls.type_id in ids)
+
+
+def native_type_ids() -> frozenset:
+    """GGUF type ids of the types the native primitives run (empty without the extension)."""
+    return frozenset(_ext.ggml_type_ids()) if _ext is not None else frozenset()
 
 
 def _on_cpu(stream) -> bool:

@@ -37,20 +37,33 @@ class KVCache:
         self.values = None
         self.offset = 0
 
-    def update_and_fetch(self, k, v):
-        """Append ``k``, ``v`` (``[B, Hkv, T, head_dim]``); return all cached keys and values."""
-        prev, t = self.offset, k.shape[2]
+    def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype):
+        """The key and value buffers ``[batch, kv_heads, capacity, head_dim]`` with room for ``t`` more
+        positions after ``offset`` (grown in blocks of ``step``, the cached positions copied over)."""
+        prev = self.offset
         if self.keys is None or prev + t > self.keys.shape[2]:
             cap = ((prev + t + self.step - 1) // self.step) * self.step
-            nk = mx.zeros(k.shape[:2] + (cap, k.shape[3]), k.dtype)
-            nv = mx.zeros(v.shape[:2] + (cap, v.shape[3]), v.dtype)
+            shape = (batch, kv_heads, cap, head_dim)
+            nk, nv = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
             if self.keys is not None and prev:
                 nk[..., :prev, :] = self.keys[..., :prev, :]
                 nv[..., :prev, :] = self.values[..., :prev, :]
             self.keys, self.values = nk, nv
-        self.keys[..., prev:prev + t, :] = k
-        self.values[..., prev:prev + t, :] = v
-        self.offset = prev + t
+        return self.keys, self.values
+
+    def advance(self, keys, values, t: int):
+        """Take ``keys`` / ``values`` (the buffers of `buffers_for` with ``t`` new positions written
+        after ``offset``) as the cache."""
+        self.keys, self.values = keys, values
+        self.offset += t
+
+    def update_and_fetch(self, k, v):
+        """Append ``k``, ``v`` (``[B, Hkv, T, head_dim]``); return all cached keys and values."""
+        prev, t = self.offset, k.shape[2]
+        keys, values = self.buffers_for(k.shape[0], k.shape[1], k.shape[3], t, k.dtype)
+        keys[..., prev:prev + t, :] = k
+        values[..., prev:prev + t, :] = v
+        self.advance(keys, values, t)
         return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
 
     def trim(self, n: int) -> int:

@@ -7,11 +7,35 @@ Parameter names follow Hugging Face, so a stack of blocks loads a checkpoint's
 
 from __future__ import annotations
 
+import mlx.core as mx
+
+from .. import functional as F
 from ..data import Data
+from .attention import KVCache, SelfAttention
 from .base import Layer
-from .attention import SelfAttention
-from .mlp import SwiGLU
+from .dropout import Dropout
+from .ggml import GGMLLinear
+from .linear import Linear
+from .mlp import MLP, SwiGLU
 from .norm import RMSNorm
+
+
+def _projection(layer):
+    """``(weight, GGUF type id or -1 for float32, bias or None)`` of a projection the fused decoding
+    step can run (a packed GGML or a plain float32 layer), else None."""
+    bias = layer.bias if getattr(layer, "use_bias", False) else None
+    if type(layer) is GGMLLinear:
+        return layer.weight, layer.qtype.type_id, bias
+    if type(layer) is Linear and layer.weight.dtype == mx.float32:
+        return layer.weight, -1, bias
+    return None
+
+
+def _gain(norm):
+    """The RMSNorm's gain ``weight + offset``, or None for a norm the fused step cannot run."""
+    if type(norm) is not RMSNorm or not norm.affine:
+        return None
+    return norm.weight + norm.offset if norm.offset else norm.weight
 
 
 class DecoderBlock(Layer):
@@ -53,12 +77,60 @@ class DecoderBlock(Layer):
         return self[self.mixer_name]
 
     def forward(self, device, data, cache=None):
+        if isinstance(cache, KVCache) and data.dims.H == 1:
+            out = self._fused_step(device, data, cache)
+            if out is not None:
+                return Data(out, data.dims)
         h = self.compile_child(self.input_layernorm, device, data)
         h = self.compile_child(self.mixer, device, h, cache=cache)
         x = data.array + h.array
         h = self.compile_child(self.post_attention_layernorm, device, Data(x, data.dims))
         h = self.compile_child(self.mlp, device, h)
         return Data(x + h.array, data.dims)
+
+
+    def _step_plan(self):
+        """The block as `metalnn.functional.BlockStep` (for decoding one position), or None when its
+        layers are not of the form the fused step runs (RMSNorms, `SelfAttention` without an output
+        gate, a gated `MLP` without active dropout; float32 or GGML projections, no adapters)."""
+        attn, mlp = self.mixer, self.mlp
+        if type(attn) is not SelfAttention or attn.output_gate or not attn.causal or attn.head_dim is None:
+            return None
+        if not isinstance(mlp, MLP) or not mlp.is_gated or (isinstance(mlp.dropout, Dropout) and mlp.dropout.p
+                                                            and mlp.dropout.training):
+            return None
+        if type(mlp) not in (MLP, SwiGLU):
+            return None
+        gains = (_gain(self.input_layernorm), _gain(self.post_attention_layernorm))
+        if any(g is None for g in gains) or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+            return None
+        projections = tuple(_projection(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        if any(p is None for p in projections):
+            return None
+        qk_gains = None
+        if attn.qk_norm:
+            qk_gains = (_gain(attn.q_norm), _gain(attn.k_norm))
+            if any(g is None for g in qk_gains):
+                return None
+        return F.BlockStep(
+            gains=gains, eps=self.input_layernorm.eps, projections=projections, heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            rope_dims=(attn.rope_dims or attn.head_dim) if attn.use_rope else 0,
+            rope_traditional=attn.rope_traditional, rope_base=attn.rope_base, rope_scale=attn.rope_scale,
+            rope_freqs=attn._rope_freqs, attn_scale=attn.scale, window=attn.sliding_window, qk_gains=qk_gains,
+            qk_eps=attn.norm_eps, activation=mlp.gate_activation)
+
+    def _fused_step(self, device, data, cache):
+        """One decoding position through `metalnn.functional.decoder_block_step` (the whole block as
+        one fused op where it applies); None when it does not (the caller runs the layers)."""
+        if not all(child.built for child in (self.input_layernorm, self.mixer, self.post_attention_layernorm,
+                                             self.mlp)):
+            return None  # the first call builds them
+        plan = self._step_plan()
+        if plan is None:
+            return None
+        return F.decoder_block_step(data.array, plan, cache, device=device)
 
 
 class TransformerBlock(DecoderBlock):

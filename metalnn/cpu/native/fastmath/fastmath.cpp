@@ -21,6 +21,7 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 
+#include "decode_step.h"
 #include "ggml.h"
 #include "im2col.h"
 #include "kernels.h"
@@ -763,6 +764,7 @@ NB_MODULE(_fastmath, m) {
   m.def("get_force_scalar", []() {
     return metalnn_fastmath::force_scalar_flag();
   });
+  register_decode_step(m);
   register_ggml(m);
   register_im2col(m);
   register_qmatmul(m);

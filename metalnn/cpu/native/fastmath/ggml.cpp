@@ -27,16 +27,19 @@
 #include <vector>
 
 #include "ggml_kernels.h"
+#include "ggml_product.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 #include "primitive.h"
+#include "strided.h"
 #include "threadpool.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
 namespace gg = metalnn_ggml;
+using metalnn_native::contiguous_data;
 
 namespace {
 
@@ -45,38 +48,6 @@ constexpr int64_t kGrainWork = 1 << 16;
 
 // Decoded values at most in one slice of the weight in the input gradient.
 constexpr int64_t kGradientSliceValues = int64_t(1) << 24;
-
-// Copies `a` (any strides) in row-major order into dst.
-template <typename T>
-void gather(const mx::array& a, T* dst) {
-  const T* src = a.data<T>();
-  const size_t n = a.size();
-  if (n == 0) return;
-  const int nd = static_cast<int>(a.ndim());
-  const int64_t inner = a.shape(nd - 1), st = a.strides()[nd - 1];
-  std::vector<int> idx(static_cast<size_t>(std::max(nd - 1, 0)), 0);
-  int64_t off = 0;
-  for (size_t row = 0, rows = n / static_cast<size_t>(inner); row < rows; ++row) {
-    for (int64_t i = 0; i < inner; ++i) *dst++ = src[off + i * st];
-    for (int d = nd - 2; d >= 0; --d) {
-      if (++idx[d] < a.shape(d)) {
-        off += a.strides()[d];
-        break;
-      }
-      off -= a.strides()[d] * (a.shape(d) - 1);
-      idx[d] = 0;
-    }
-  }
-}
-
-// The data of `a` as a row-major buffer: its own when row-contiguous, else a copy kept in `keep`.
-template <typename T>
-const T* contiguous_data(const mx::array& a, std::vector<T>& keep) {
-  if (a.flags().row_contiguous) return a.data<T>();
-  keep.resize(a.size());
-  gather<T>(a, keep.data());
-  return keep.data();
-}
 
 size_t grain_rows(int64_t work_per_row) {
   return static_cast<size_t>(std::max<int64_t>(1, kGrainWork / std::max<int64_t>(work_per_row, 1)));
@@ -88,32 +59,11 @@ void run_matmul(const mx::array& x, const mx::array& w, mx::array& out, const gg
   const int64_t M = static_cast<int64_t>(x.size()) / K;
   std::vector<float> xkeep;
   std::vector<uint8_t> wkeep;
-  const bool avx2 = gg::use_avx2();
-  gg::MatmulArgs a{};
-  a.type = &t;
-  a.w = contiguous_data<uint8_t>(w, wkeep);
-  a.N = N;
-  a.K = K;
-  a.M = M;
-  a.x = contiguous_data<float>(x, xkeep);
-  a.out = out.data<float>();
-  std::vector<float> xsum, xperm;
-  if (gg::uses_registers(t.id, M, avx2)) {
-    if (gg::bias_sub(t.id)) {
-      a.sub = gg::bias_sub(t.id);
-      xsum.resize(static_cast<size_t>(M * (K / a.sub)));
-      gg::sub_block_sums(a.x, M, K, a.sub, xsum.data());
-      a.xsum = xsum.data();
-    }
-    if (gg::register_kernel_order(t.id)) {
-      xperm.resize(static_cast<size_t>(M * K));
-      for (int64_t m = 0; m < M; ++m) gg::permute_chunks(a.x + m * K, xperm.data() + m * K, K);
-      a.x = xperm.data();
-    }
-  }
+  gg::PreparedProduct p;
+  p.prepare(t, contiguous_data<uint8_t>(w, wkeep), N, K, contiguous_data<float>(x, xkeep), M, out.data<float>());
   metalnn_native::parallel_for(static_cast<size_t>(N), grain_rows(K * std::max<int64_t>(M, 2)),
                                [&](size_t r0, size_t r1) {
-                                 gg::matmul_rows(a, static_cast<int64_t>(r0), static_cast<int64_t>(r1), avx2);
+                                 p.run_rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1));
                                });
 }
 

@@ -1,0 +1,73 @@
+"""One Llama-family decoder block for one new position, as one native CPU primitive.
+
+``decoder_block_step`` runs, for ``x`` ``[B, 1, D]`` (one new token of each of B sequences)::
+
+    n1 = rms_norm(x) * gain1;   q, k, v = q_proj(n1), k_proj(n1), v_proj(n1)   (+ biases, q/k norms, RoPE)
+    keys[:, :, offset], values[:, :, offset] = k, v
+    h = x + o_proj(attention(q, keys[..., :offset + 1], values[..., :offset + 1]))
+    out = h + down_proj(act(gate_proj(n2)) * up_proj(n2)),   n2 = rms_norm(h) * gain2
+
+and returns ``(out, keys, values)``: the cache buffers ``[B, Hkv, capacity, head_dim]`` with
+position ``offset`` written (the same memory when MLX can donate it, i.e. nothing else holds the
+buffers). Built from separate MLX ops a block is ~40 graph nodes when decoding; here it is one,
+and the products that read the same input run as one multi-threaded pass (built from
+``metalnn/cpu/native/fastmath/decode_step.cpp``). Weights: GGML block types (the kernels of
+`metalnn.cpu.ggml`) or float32 ``[N, K]``. Inference only (no gradient).
+
+Use it through `metalnn.functional.decoder_block_step`, which decides when it applies.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import native_ext as _native_ext
+
+__all__ = ["available", "decoder_block_step", "PROJECTIONS"]
+
+#: the projections, in the order ``weights`` / ``types`` / ``biases`` list them
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# The loaded extension or None; read at every call (tests swap in None).
+_ext = _native_ext.extension()
+
+
+def available() -> bool:
+    """True when the native primitive is loaded."""
+    return _ext is not None and hasattr(_ext, "decoder_block_step")
+
+
+def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq, *, offset: int, heads: int,
+                       kv_heads: int, head_dim: int, rope_dims: int, rope_traditional: bool, rope_scale: float,
+                       attn_scale: float, eps: float, qk_gains=None, qk_eps: float = 1e-6, window: int | None = None,
+                       activation: str = "silu", stream=None):
+    """The fused block step (see the module docstring); returns ``(out, keys, values)``.
+
+    Args:
+        x: float32 ``[B, 1, D]``.
+        gains: the two RMSNorm gains ``[D]`` (input, post-attention), float32.
+        weights: the seven projection weights in `PROJECTIONS` order: packed ``uint8 [N, row_bytes]``
+            (GGML block type) or float32 ``[N, K]``.
+        types: each weight's GGUF type id, or -1 for a float32 weight.
+        biases: each projection's float32 bias ``[N]`` or None.
+        keys, values: float32 cache buffers ``[B, kv_heads, capacity, head_dim]``, capacity > offset.
+        inv_freq: float32 ``[rope_dims / 2]`` RoPE inverse frequencies.
+        offset: the new token's position (cached positions before it).
+        qk_gains: ``(q_norm, k_norm)`` gains ``[head_dim]`` for per-head RMSNorm of queries and keys.
+        window: attend to the last ``window`` positions only (None: all).
+        activation: the gate's activation, ``"silu"`` or ``"gelu_tanh"``.
+    Raises:
+        ValueError: an input of the wrong shape or dtype (the message names it).
+    """
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"decoder_block_step: activation must be silu or gelu_tanh, got {activation!r}")
+    inputs = [x, gains[0], gains[1], *weights, keys, values, inv_freq]
+    inputs += [b for b in biases if b is not None]
+    if qk_gains is not None:
+        inputs += list(qk_gains)
+    return tuple(_ext.decoder_block_step(
+        inputs, heads=int(heads), kv_heads=int(kv_heads), head_dim=int(head_dim), rope_dims=int(rope_dims),
+        rope_traditional=bool(rope_traditional), rope_scale=float(rope_scale), attn_scale=float(attn_scale),
+        eps=float(eps), qk_eps=float(qk_eps), window=int(window or 0), qk_norm=qk_gains is not None,
+        gelu=activation == "gelu_tanh", types=[int(t) for t in types], bias=[b is not None for b in biases],
+        offset=int(offset), stream=stream))

@@ -1,0 +1,495 @@
+// One Llama-family decoder block for one new position of each sequence, as a single MLX CPU
+// primitive (metalnn/cpu/decode_step.py is the Python API):
+//
+//   n1  = rms_norm(x) * g1
+//   q, k, v = q_proj(n1), k_proj(n1), v_proj(n1)   (+ biases; per-head RMSNorm of q and k; RoPE at `offset`)
+//   cache[:, :, offset] = k, v
+//   h   = x + o_proj(softmax(q . K / sqrt-scale) V)   (grouped-query heads, optional window)
+//   n2  = rms_norm(h) * g2
+//   out = h + down_proj(act(gate_proj(n2)) * up_proj(n2))
+//
+// Decoding a small model is bound by everything around the products: built from separate MLX ops
+// a block is ~40 graph nodes, each with its own dispatch, buffers and thread wake-ups. Here a block
+// is one node; the projections that read the same input run as one multi-threaded pass over their
+// rows (q, k and v; gate and up), the attention one pass over the heads.
+//
+// Weights: packed in a GGML block type (the kernels of ggml_kernels.h, as GGMLMatmul runs them, so
+// the products equal the unfused ones) or float32 [N, K]. The KV cache buffers [B, Hkv, capacity,
+// head_dim] (float32) are outputs 1 and 2: the input buffers themselves when MLX can donate them
+// (the caller holds no other reference), else copies; only position `offset` is written.
+// Inference only: the primitive has no gradient.
+
+#include "decode_step.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ggml_product.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "primitive.h"
+#include "strided.h"
+#include "threadpool.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+namespace gg = metalnn_ggml;
+
+namespace {
+
+// The projections of a block, in the order of their weight inputs.
+enum Projection { kQ = 0, kK, kV, kO, kGate, kUp, kDown, kProjections };
+constexpr const char* kProjectionNames[kProjections] = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                        "gate_proj", "up_proj", "down_proj"};
+
+// Inputs before the optional ones: x, the two norm gains, the seven weights, the two cache
+// buffers and the RoPE inverse frequencies. Then one bias per projection that has one (in
+// projection order), then the q and k norm gains when qk_norm.
+enum Input { kX = 0, kGain1, kGain2, kWeights, kKCache = kWeights + kProjections, kVCache, kInvFreq, kFixedInputs };
+
+constexpr int64_t kGrainWork = 1 << 16;  // work below which a chunk is not worth another thread
+
+struct BlockSpec {
+  int heads = 0, kv_heads = 0, head_dim = 0, rope_dims = 0;
+  bool rope_traditional = false;
+  float rope_scale = 1.0f, attn_scale = 1.0f, eps = 1e-5f, qk_eps = 1e-6f;
+  int window = 0;  // 0: every cached position
+  bool qk_norm = false;
+  bool gelu = false;  // the gate's activation: tanh GELU, else SiLU
+  std::array<int, kProjections> types{};  // GGML type id, or -1 for a float32 weight
+  std::array<bool, kProjections> bias{};
+  int offset = 0;  // position of the new token (cached positions before it)
+
+  bool operator==(const BlockSpec&) const = default;
+
+  int bias_input(int p) const {
+    int i = kFixedInputs;
+    for (int j = 0; j < p; ++j) i += bias[j];
+    return i;
+  }
+  int qk_norm_input() const {
+    return bias_input(kProjections);
+  }
+  int num_inputs() const {
+    return qk_norm_input() + (qk_norm ? 2 : 0);
+  }
+};
+
+// One projection's product out [M, N] = x [M, K] @ W.T, run over ranges of W's rows.
+class ProjectionProduct {
+ public:
+  void prepare(const void* w, int64_t N, int type, const float* x, int64_t M, int64_t K, float* out) {
+    N_ = N;
+    K_ = K;
+    M_ = M;
+    x_ = x;
+    out_ = out;
+    if (type >= 0) {
+      packed_.prepare(*gg::find_type(type), static_cast<const uint8_t*>(w), N_, K, x, M, out);
+      float_w_ = nullptr;
+    } else {
+      float_w_ = static_cast<const float*>(w);
+    }
+  }
+
+  void run_rows(int64_t r0, int64_t r1) const {
+    if (float_w_ == nullptr) {
+      packed_.run_rows(r0, r1);
+      return;
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t m = 0; m < M_; ++m) out_[m * N_ + r] = dot(float_w_ + r * K_, x_ + m * K_, K_);
+  }
+
+  int64_t rows() const {
+    return N_;
+  }
+
+ private:
+  static float dot(const float* a, const float* b, int64_t n) {
+    float acc[8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+  }
+
+  gg::PreparedProduct packed_;
+  const float* float_w_ = nullptr;
+  const float* x_ = nullptr;
+  float* out_ = nullptr;
+  int64_t N_ = 0, K_ = 0, M_ = 0;
+};
+
+// Runs the products of `group` (all reading inputs of width K) as one multi-threaded pass over
+// their rows together.
+void run_products(std::initializer_list<const ProjectionProduct*> group, int64_t K, int64_t M) {
+  int64_t total = 0;
+  for (const auto* p : group) total += p->rows();
+  const size_t grain = static_cast<size_t>(std::max<int64_t>(1, kGrainWork / std::max<int64_t>(K * std::max<int64_t>(M, 2), 1)));
+  metalnn_native::parallel_for(static_cast<size_t>(total), grain, [&](size_t a, size_t b) {
+    int64_t base = 0;
+    for (const auto* p : group) {
+      const int64_t lo = std::max<int64_t>(static_cast<int64_t>(a), base);
+      const int64_t hi = std::min<int64_t>(static_cast<int64_t>(b), base + p->rows());
+      if (lo < hi) p->run_rows(lo - base, hi - base);
+      base += p->rows();
+    }
+  });
+}
+
+// y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * gain, rows of width D.
+void rms_norm_rows(const float* x, const float* gain, float eps, int64_t M, int64_t D, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * D;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < D; ++i) ss += xm[i] * xm[i];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i) y[m * D + i] = xm[i] * r * gain[i];
+  }
+}
+
+void add_bias(float* y, const float* bias, int64_t M, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < N; ++i) y[m * N + i] += bias[i];
+}
+
+// RoPE of `count` heads of width hd (consecutive in x) with the cos / sin of each rotated pair.
+void rope_heads(float* x, int64_t count, const BlockSpec& sp, const std::vector<float>& cs,
+                const std::vector<float>& sn) {
+  const int hd = sp.head_dim, half = sp.rope_dims / 2;
+  for (int64_t h = 0; h < count; ++h) {
+    float* v = x + h * hd;
+    for (int i = 0; i < half; ++i) {
+      const int a = sp.rope_traditional ? 2 * i : i, b = sp.rope_traditional ? 2 * i + 1 : i + half;
+      const float x1 = v[a], x2 = v[b];
+      v[a] = x1 * cs[i] - x2 * sn[i];
+      v[b] = x1 * sn[i] + x2 * cs[i];
+    }
+  }
+}
+
+inline float activation(float g, bool gelu) {
+  if (gelu) {
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g)));
+  }
+  return g / (1.0f + std::exp(-g));
+}
+
+// The block for M sequences (one new position each); see the file comment.
+// `data[i]`: input i's values, row-major (the cache inputs are read through the outputs).
+void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std::vector<const void*>& data,
+               std::vector<mx::array>& out) {
+  const mx::array& xa = in[kX];
+  const int64_t D = xa.shape(-1), M = static_cast<int64_t>(xa.size()) / D;
+  const int hd = sp.head_dim, H = sp.heads, G = sp.kv_heads, rep = H / G;
+  const int64_t nq = int64_t(H) * hd, nkv = int64_t(G) * hd, I = in[kWeights + kUp].shape(0);
+  const int64_t cap = in[kKCache].shape(2), pos = sp.offset;
+  const auto floats = [&](int i) { return static_cast<const float*>(data[i]); };
+  const float* x = floats(kX);
+  const auto bias = [&](int p) { return floats(sp.bias_input(p)); };
+
+  std::vector<float> n1(M * D), q(M * nq), k(M * nkv), v(M * nkv), att(M * nq), h(M * D), gate(M * I), up(M * I);
+  std::array<ProjectionProduct, kProjections> proj;
+  const auto prepare = [&](int p, const float* src, int64_t width, float* dst) {
+    proj[p].prepare(data[kWeights + p], in[kWeights + p].shape(0), sp.types[p], src, M, width, dst);
+  };
+
+  // attention input projections
+  rms_norm_rows(x, floats(kGain1), sp.eps, M, D, n1.data());
+  prepare(kQ, n1.data(), D, q.data());
+  prepare(kK, n1.data(), D, k.data());
+  prepare(kV, n1.data(), D, v.data());
+  run_products({&proj[kQ], &proj[kK], &proj[kV]}, D, M);
+  if (sp.bias[kQ]) add_bias(q.data(), bias(kQ), M, nq);
+  if (sp.bias[kK]) add_bias(k.data(), bias(kK), M, nkv);
+  if (sp.bias[kV]) add_bias(v.data(), bias(kV), M, nkv);
+  if (sp.qk_norm) {
+    rms_norm_rows(q.data(), floats(sp.qk_norm_input()), sp.qk_eps, M * H, hd, q.data());
+    rms_norm_rows(k.data(), floats(sp.qk_norm_input() + 1), sp.qk_eps, M * G, hd, k.data());
+  }
+  if (sp.rope_dims > 0) {
+    // theta = offset * scale * inv_freq in float32, as MLX's rope
+    const int half = sp.rope_dims / 2;
+    const float* inv = floats(kInvFreq);
+    std::vector<float> cs(half), sn(half);
+    const float p = static_cast<float>(pos) * sp.rope_scale;
+    for (int i = 0; i < half; ++i) {
+      cs[i] = std::cos(p * inv[i]);
+      sn[i] = std::sin(p * inv[i]);
+    }
+    rope_heads(q.data(), M * H, sp, cs, sn);
+    rope_heads(k.data(), M * G, sp, cs, sn);
+  }
+
+  // the new keys and values into the cache: [B, Hkv, cap, hd]
+  float* kc = out[1].data<float>();
+  float* vc = out[2].data<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g) {
+      const int64_t dst = ((m * G + g) * cap + pos) * hd;
+      std::copy_n(k.data() + (m * G + g) * hd, hd, kc + dst);
+      std::copy_n(v.data() + (m * G + g) * hd, hd, vc + dst);
+    }
+
+  // attention over positions [start, pos], one (sequence, head) at a time
+  const int64_t start = sp.window > 0 ? std::max<int64_t>(0, pos - sp.window + 1) : 0, len = pos - start + 1;
+  const size_t head_grain = static_cast<size_t>(std::max<int64_t>(1, kGrainWork / std::max<int64_t>(2 * len * hd, 1)));
+  metalnn_native::parallel_for(static_cast<size_t>(M * H), head_grain, [&](size_t a, size_t b) {
+    std::vector<float> s(static_cast<size_t>(len));
+    for (size_t mh = a; mh < b; ++mh) {
+      const int64_t m = static_cast<int64_t>(mh) / H, hh = static_cast<int64_t>(mh) % H, g = hh / rep;
+      const float* qv = q.data() + (m * H + hh) * hd;
+      const float* kb = kc + ((m * G + g) * cap + start) * hd;
+      const float* vb = vc + ((m * G + g) * cap + start) * hd;
+      float mx_s = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) {
+        float d = 0.0f;
+        for (int i = 0; i < hd; ++i) d += qv[i] * kb[j * hd + i];
+        s[j] = d * sp.attn_scale;
+        mx_s = std::max(mx_s, s[j]);
+      }
+      float total = 0.0f;
+      for (int64_t j = 0; j < len; ++j) {
+        s[j] = std::exp(s[j] - mx_s);
+        total += s[j];
+      }
+      float* o = att.data() + (m * H + hh) * hd;
+      std::fill_n(o, hd, 0.0f);
+      for (int64_t j = 0; j < len; ++j) {
+        const float p = s[j] / total;
+        for (int i = 0; i < hd; ++i) o[i] += p * vb[j * hd + i];
+      }
+    }
+  });
+
+  // output projection and residual
+  float* y = out[0].data<float>();
+  prepare(kO, att.data(), nq, h.data());
+  run_products({&proj[kO]}, nq, M);
+  if (sp.bias[kO]) add_bias(h.data(), bias(kO), M, D);
+  for (int64_t i = 0; i < M * D; ++i) h[i] += x[i];
+
+  // feed-forward and residual
+  rms_norm_rows(h.data(), floats(kGain2), sp.eps, M, D, n1.data());
+  prepare(kGate, n1.data(), D, gate.data());
+  prepare(kUp, n1.data(), D, up.data());
+  run_products({&proj[kGate], &proj[kUp]}, D, M);
+  if (sp.bias[kGate]) add_bias(gate.data(), bias(kGate), M, I);
+  if (sp.bias[kUp]) add_bias(up.data(), bias(kUp), M, I);
+  for (int64_t i = 0; i < M * I; ++i) gate[i] = activation(gate[i], sp.gelu) * up[i];
+  prepare(kDown, gate.data(), I, y);
+  run_products({&proj[kDown]}, I, M);
+  if (sp.bias[kDown]) add_bias(y, bias(kDown), M, D);
+  for (int64_t i = 0; i < M * D; ++i) y[i] += h[i];
+}
+
+class DecoderBlockStep : public mx::Primitive {
+ public:
+  DecoderBlockStep(mx::Stream s, BlockSpec sp) : mx::Primitive(s), sp_(sp) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    // the cache buffers: donated when MLX allows, else copied below before the new position is written
+    std::array<bool, 2> donated{};
+    for (int c = 0; c < 2; ++c) {
+      const mx::array& src = inputs[kKCache + c];
+      mx::array& dst = outputs[1 + c];
+      donated[c] = src.is_donatable() && src.flags().row_contiguous && src.itemsize() == dst.itemsize();
+      if (donated[c]) {
+        dst.copy_shared_buffer(src);
+      } else {
+        dst.set_data(mx::allocator::malloc(dst.nbytes()));
+      }
+    }
+    outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    for (const auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) enc.set_output_array(o);
+    std::vector<mx::array> in, out;
+    for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    for (const auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
+    enc.dispatch([in = std::move(in), out = std::move(out), donated, sp = sp_]() mutable {
+      if (in[kX].size() == 0) return;
+      for (int c = 0; c < 2; ++c)
+        if (!donated[c]) metalnn_native::gather<float>(in[kKCache + c], out[1 + c].data<float>());
+      // every other input as a row-major buffer (its own memory unless strided)
+      std::vector<std::vector<float>> float_copies(in.size());
+      std::vector<std::vector<uint8_t>> byte_copies(in.size());
+      std::vector<const void*> data(in.size(), nullptr);
+      for (size_t i = 0; i < in.size(); ++i) {
+        if (i == kKCache || i == kVCache) continue;
+        if (in[i].dtype() == mx::uint8) {
+          data[i] = metalnn_native::contiguous_data<uint8_t>(in[i], byte_copies[i]);
+        } else {
+          data[i] = metalnn_native::contiguous_data<float>(in[i], float_copies[i]);
+        }
+      }
+      run_block(sp, in, data, out);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[DecoderBlockStep] has no GPU implementation");
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
+                             const std::vector<mx::array>&) override {
+    throw std::invalid_argument(
+        "[decoder_block_step] is for decoding only and has no gradient; differentiate the model without a cache");
+  }
+
+  METALNN_PRIMITIVE("DecoderBlockStep", sp_)
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[kX].shape(), inputs[kKCache].shape(), inputs[kVCache].shape()};
+  }
+
+ private:
+  BlockSpec sp_;
+};
+
+[[noreturn]] void refuse(const std::string& what) {
+  throw std::invalid_argument("[decoder_block_step] " + what);
+}
+
+template <class T>
+std::string shape_str(const T& shape) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << (shape.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+void expect(const mx::array& a, const char* name, std::initializer_list<int> shape, mx::Dtype dtype) {
+  const mx::Shape want(shape);
+  if (a.shape() != want || a.dtype() != dtype) {
+    std::ostringstream msg;
+    msg << name << " must be " << dtype << " of shape " << shape_str(want) << ", got " << a.dtype() << " of shape "
+        << shape_str(a.shape());
+    refuse(msg.str());
+  }
+}
+
+// A weight [N, K] as the projection's type stores it (packed rows of blocks, or float32).
+void expect_weight(const mx::array& w, int p, int type, int64_t N, int64_t K) {
+  if (type < 0) {
+    expect(w, kProjectionNames[p], {static_cast<int>(N), static_cast<int>(K)}, mx::float32);
+    return;
+  }
+  const gg::TypeInfo* t = gg::find_type(type);
+  if (t == nullptr) refuse(std::string(kProjectionNames[p]) + ": GGML type id " + std::to_string(type) +
+                           " has no native kernel");
+  if (K % t->block) refuse(std::string(kProjectionNames[p]) + ": width " + std::to_string(K) + " is not whole " +
+                           t->name + " blocks");
+  expect(w, kProjectionNames[p], {static_cast<int>(N), static_cast<int>(K / t->block * t->size)}, mx::uint8);
+}
+
+std::vector<mx::array> decoder_block_step_op(const std::vector<mx::array>& inputs, const BlockSpec& sp,
+                                             mx::StreamOrDevice sd) {
+  auto s = mx::to_stream(sd);
+  if (s.device != mx::Device::cpu) refuse("runs on CPU streams only");
+  if (sp.heads <= 0 || sp.kv_heads <= 0 || sp.heads % sp.kv_heads || sp.head_dim <= 0)
+    refuse("heads must be a positive multiple of kv_heads, head_dim positive");
+  if (sp.rope_dims < 0 || sp.rope_dims % 2 || sp.rope_dims > sp.head_dim)
+    refuse("rope_dims must be even and at most head_dim, got " + std::to_string(sp.rope_dims));
+  if (static_cast<int>(inputs.size()) != sp.num_inputs())
+    refuse("expected " + std::to_string(sp.num_inputs()) + " input arrays for these options, got " +
+           std::to_string(inputs.size()));
+  const auto& x = inputs[kX];
+  if (x.ndim() != 3 || x.shape(1) != 1 || x.dtype() != mx::float32)
+    refuse("x must be float32 [B, 1, D] (one new position a sequence), got " + shape_str(x.shape()));
+  const int B = x.shape(0), D = x.shape(2), hd = sp.head_dim;
+  const int nq = sp.heads * hd, nkv = sp.kv_heads * hd;
+  const int I = inputs[kWeights + kUp].shape(0);
+  expect(inputs[kGain1], "input_layernorm gain", {D}, mx::float32);
+  expect(inputs[kGain2], "post_attention_layernorm gain", {D}, mx::float32);
+  const std::array<std::array<int64_t, 2>, kProjections> dims = {{{nq, D}, {nkv, D}, {nkv, D}, {D, nq}, {I, D},
+                                                                  {I, D}, {D, I}}};
+  for (int p = 0; p < kProjections; ++p) {
+    expect_weight(inputs[kWeights + p], p, sp.types[p], dims[p][0], dims[p][1]);
+    if (sp.bias[p]) expect(inputs[sp.bias_input(p)], kProjectionNames[p], {static_cast<int>(dims[p][0])}, mx::float32);
+  }
+  const auto& kc = inputs[kKCache];
+  if (kc.ndim() != 4 || kc.shape(0) != B || kc.shape(1) != sp.kv_heads || kc.shape(3) != hd || kc.dtype() != mx::float32)
+    refuse("the key cache must be float32 [" + std::to_string(B) + ", " + std::to_string(sp.kv_heads) +
+           ", capacity, " + std::to_string(hd) + "], got " + shape_str(kc.shape()));
+  expect(inputs[kVCache], "the value cache", {kc.shape(0), kc.shape(1), kc.shape(2), kc.shape(3)}, mx::float32);
+  if (sp.offset < 0 || sp.offset >= kc.shape(2))
+    refuse("offset " + std::to_string(sp.offset) + " is outside the cache capacity " + std::to_string(kc.shape(2)));
+  expect(inputs[kInvFreq], "inv_freq", {sp.rope_dims / 2}, mx::float32);
+  if (sp.qk_norm) {
+    expect(inputs[sp.qk_norm_input()], "q_norm gain", {hd}, mx::float32);
+    expect(inputs[sp.qk_norm_input() + 1], "k_norm gain", {hd}, mx::float32);
+  }
+  return mx::array::make_arrays({x.shape(), kc.shape(), kc.shape()}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<DecoderBlockStep>(s, sp), inputs);
+}
+
+}  // namespace
+
+void register_decode_step(nb::module_& m) {
+  m.def(
+      "decoder_block_step",
+      [](const std::vector<mx::array>& inputs, int heads, int kv_heads, int head_dim, int rope_dims,
+         bool rope_traditional, float rope_scale, float attn_scale, float eps, float qk_eps, int window,
+         bool qk_norm, bool gelu, const std::vector<int>& types, const std::vector<bool>& bias, int offset,
+         mx::StreamOrDevice s) {
+        if (types.size() != kProjections || bias.size() != kProjections)
+          refuse("types and bias must list the 7 projections (q, k, v, o, gate, up, down)");
+        BlockSpec sp;
+        sp.heads = heads;
+        sp.kv_heads = kv_heads;
+        sp.head_dim = head_dim;
+        sp.rope_dims = rope_dims;
+        sp.rope_traditional = rope_traditional;
+        sp.rope_scale = rope_scale;
+        sp.attn_scale = attn_scale;
+        sp.eps = eps;
+        sp.qk_eps = qk_eps;
+        sp.window = std::max(0, window);
+        sp.qk_norm = qk_norm;
+        sp.gelu = gelu;
+        for (int p = 0; p < kProjections; ++p) {
+          sp.types[p] = types[p];
+          sp.bias[p] = bias[p];
+        }
+        sp.offset = offset;
+        return decoder_block_step_op(inputs, sp, s);
+      },
+      nb::arg("inputs"),
+      nb::kw_only(),
+      nb::arg("heads"),
+      nb::arg("kv_heads"),
+      nb::arg("head_dim"),
+      nb::arg("rope_dims"),
+      nb::arg("rope_traditional"),
+      nb::arg("rope_scale"),
+      nb::arg("attn_scale"),
+      nb::arg("eps"),
+      nb::arg("qk_eps"),
+      nb::arg("window"),
+      nb::arg("qk_norm"),
+      nb::arg("gelu"),
+      nb::arg("types"),
+      nb::arg("bias"),
+      nb::arg("offset"),
+      nb::arg("stream") = nb::none(),
+      "One Llama-family decoder block for one new position a sequence: [out, key cache, value cache] "
+      "(see metalnn/cpu/decode_step.py for the inputs).");
+}

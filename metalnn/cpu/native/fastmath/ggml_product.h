@@ -1,0 +1,61 @@
+// One product out [M, N] = x [M, K] @ W.T with W packed in a GGML type, prepared once and then
+// run over ranges of W's rows (by several threads, or as part of a larger fused op): the input is
+// put in the form the chosen kernel reads (kernel order, sub-block sums; see ggml_kernels.h).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ggml_kernels.h"
+
+namespace metalnn_ggml {
+
+class PreparedProduct {
+ public:
+  // x [M, K] and out [M, N] row-contiguous float32; w [N, row_bytes]. x must stay alive (and
+  // unchanged) until the rows are run; the prepared copies are owned here.
+  void prepare(const TypeInfo& t, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* out) {
+    avx2_ = use_avx2();
+    a_ = MatmulArgs{};
+    a_.type = &t;
+    a_.w = w;
+    a_.N = N;
+    a_.K = K;
+    a_.M = M;
+    a_.x = x;
+    a_.out = out;
+    if (uses_registers(t.id, M, avx2_)) {
+      if (bias_sub(t.id)) {
+        a_.sub = bias_sub(t.id);
+        xsum_.resize(static_cast<size_t>(M * (K / a_.sub)));
+        sub_block_sums(a_.x, M, K, a_.sub, xsum_.data());
+        a_.xsum = xsum_.data();
+      }
+      if (register_kernel_order(t.id)) {
+        xperm_.resize(static_cast<size_t>(M * K));
+        for (int64_t m = 0; m < M; ++m) permute_chunks(a_.x + m * K, xperm_.data() + m * K, K);
+        a_.x = xperm_.data();
+      }
+    }
+  }
+
+  // out[m, r] for W's rows [r0, r1).
+  void run_rows(int64_t r0, int64_t r1) const {
+    matmul_rows(a_, r0, r1, avx2_);
+  }
+
+  int64_t rows() const {
+    return a_.N;
+  }
+
+  int64_t width() const {
+    return a_.K;
+  }
+
+ private:
+  MatmulArgs a_{};
+  bool avx2_ = false;
+  std::vector<float> xsum_, xperm_;
+};
+
+}  // namespace metalnn_ggml

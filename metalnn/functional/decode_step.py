@@ -1,0 +1,122 @@
+"""`decoder_block_step`: a whole pre-norm decoder block (RMSNorm, RoPE attention over a KV cache,
+RMSNorm, gated MLP) for one new position of each sequence, fused on the CPU.
+
+Decoding a small model on the CPU is bound by the work around its products: as separate MLX ops a
+block is ~40 graph nodes, each built in Python and dispatched on its own. On the CPU backend
+(``device.kernels == "auto"``, the native extension loaded, float32) `metalnn.cpu.decode_step`
+runs the block as one native node; elsewhere (Metal, the reference and kernel devices, other
+dtypes, weight formats without a native product) this returns None and the block runs op by op
+(its reference: the same formulas, which the tests compare with transformers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..cpu import decode_step as native
+from ..cpu import ggml as cpu_ggml
+from ..cpu.device import on_cpu
+from ..device import resolve
+from ..kernels.op_math import rope_frequencies
+
+__all__ = ["BlockStep", "decoder_block_step"]
+
+_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass
+class BlockStep:
+    """What the fused step needs to know of a block.
+
+    Attributes:
+        gains: the input and post-attention RMSNorm gains ``[D]`` (weight + offset).
+        eps: both RMSNorms' epsilon.
+        projections: seven ``(weight, gguf_type_id or -1 for float32, bias or None)``, in the order
+            q, k, v, o, gate, up, down.
+        heads, kv_heads, head_dim: attention shape.
+        rope_dims: rotated features per head (0: no RoPE); rope_traditional, rope_base,
+            rope_scale, rope_freqs: as `metalnn.functional.rope`.
+        attn_scale: score scale.
+        window: sliding attention window (None: all positions).
+        qk_gains, qk_eps: per-head q/k RMSNorm gains and epsilon (None: no q/k norms).
+        activation: the MLP gate's activation.
+    """
+
+    gains: tuple
+    eps: float
+    projections: tuple
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_dims: int
+    rope_traditional: bool
+    rope_base: float
+    rope_scale: float
+    rope_freqs: object
+    attn_scale: float | None
+    window: int | None
+    qk_gains: tuple | None
+    qk_eps: float
+    activation: str
+
+
+_INV_FREQ = {}
+
+
+def _inv_freq(dims: int, base: float, freqs):
+    """RoPE inverse frequencies float32 ``[dims / 2]`` (those of a geometric series cached: they are
+    the same for every block and step)."""
+    if not dims:
+        return mx.zeros((0,), mx.float32)
+    if freqs is not None:
+        return rope_frequencies(dims, base, freqs).astype(mx.float32)
+    key = (dims, float(base))
+    if key not in _INV_FREQ:
+        inv = rope_frequencies(dims, base).astype(mx.float32)
+        mx.eval(inv)
+        _INV_FREQ[key] = inv
+    return _INV_FREQ[key]
+
+
+def _runs_natively(x, step: BlockStep, keys, device) -> bool:
+    if device.kernels != "auto" or not on_cpu() or not native.available():
+        return False
+    if x.dtype != mx.float32 or x.ndim != 3 or x.shape[1] != 1 or step.activation not in _ACTIVATIONS:
+        return False
+    if keys is not None and keys.dtype != mx.float32:
+        return False
+    arrays = [*step.gains, *(step.qk_gains or ())] + [b for _, _, b in step.projections if b is not None]
+    if any(a.dtype != mx.float32 for a in arrays):
+        return False
+    native_types = cpu_ggml.native_type_ids()
+    for w, type_id, _ in step.projections:
+        if type_id == -1 and w.dtype != mx.float32:
+            return False
+        if type_id != -1 and (type_id not in native_types or w.dtype != mx.uint8):
+            return False
+    return True
+
+
+def decoder_block_step(x, step: BlockStep, cache, device=None):
+    """The block for ``x`` ``[B, 1, D]`` (one new position per sequence) with ``cache`` (a `KVCache`,
+    appended to), as one fused native step; returns ``[B, 1, D]``, or None (nothing done, the cache
+    untouched) when the fused step does not apply (see the module docstring)."""
+    device = resolve(device)
+    if not _runs_natively(x, step, cache.keys, device):
+        return None
+    b = x.shape[0]
+    keys, values = cache.buffers_for(b, step.kv_heads, step.head_dim, 1, mx.float32)
+    rd = step.rope_dims
+    inv_freq = _inv_freq(rd, step.rope_base, step.rope_freqs)
+    scale = step.attn_scale if step.attn_scale is not None else 1.0 / math.sqrt(step.head_dim)
+    out, keys, values = native.decoder_block_step(
+        x, step.gains, [w for w, _, _ in step.projections], [t for _, t, _ in step.projections],
+        [bias for _, _, bias in step.projections], keys, values, inv_freq, offset=cache.offset,
+        heads=step.heads, kv_heads=step.kv_heads, head_dim=step.head_dim, rope_dims=rd,
+        rope_traditional=step.rope_traditional, rope_scale=step.rope_scale, attn_scale=scale, eps=step.eps,
+        qk_gains=step.qk_gains, qk_eps=step.qk_eps, window=step.window, activation=step.activation)
+    cache.advance(keys, values, 1)
+    return out
