@@ -3,14 +3,17 @@
 References: each type's MLX decoder (`metalnn.ggml.get_type(t).decode`, itself checked bit for bit
 against gguf-py in tests/ggml) and products of its floats in float64 (NumPy) and in float32 (MLX).
 Weights are random valid blocks (random quantized bytes, finite random scales). Every test runs on
-the AVX2 register kernels (1 and 2 threads), the decoded-rows kernels (1 and 3 threads), the portable
-kernels and the MLX-op fallback.
+the AVX2 register kernels (1 and 2 threads; float32 inputs, and inputs quantized to int8 as decoding
+runs them), the decoded-rows kernels (1 and 3 threads), the portable kernels and the MLX-op fallback.
 
 Tolerances: `dequantize` is bit-exact (compared as bits). A product sums K float32 terms in another
 order than the reference (and, in the register kernels, as scale * sum(q x) + bias * sum(x) per
 sub-block), so it is within the float32 summation bound ~K * 2^-24 * sum|x_k w_k| of the exact
 value; the tests allow 4 K * 2^-24 * (|x| @ |W|.T) elementwise (the errors seen are ~100x smaller).
 Half-precision results are that float32 sum rounded once (float16 2^-11, bfloat16 2^-8 relative).
+With int8 inputs every 32 inputs x_k are replaced by d * round(x_k / d), d = max|x| / 127 over the
+32, so each moves by at most d / 2: the product moves by at most sum_k |w_k| d_k / 2 more (added to
+the bound; the errors seen are 20-50x smaller).
 """
 
 import io
@@ -40,7 +43,11 @@ def primitives(*arrays) -> set:
     return {line.split('label ="', 1)[1].split('"', 1)[0] for line in buf.getvalue().splitlines() if 'label ="' in line}
 
 
-PATHS = ["registers_2threads", "registers_1thread", "decoded_3threads", "decoded_1thread", "portable", "mlx_ops"]
+PATHS = ["registers_2threads", "registers_1thread", "int8_registers", "decoded_3threads", "decoded_1thread", "portable",
+         "mlx_ops"]
+
+# whether the current path quantizes the inputs to int8 (set by the `path` fixture)
+INT8 = {"on": False}
 
 
 def require_native():
@@ -61,16 +68,20 @@ def path(request, monkeypatch):
     require_native()
     ext = cg._ext
     threads = {"registers_1thread": 1, "decoded_3threads": 3, "decoded_1thread": 1}.get(request.param, 2)
-    old = ic.get_num_threads(), ext.ggml_get_force_scalar(), ext.ggml_get_register_rows()
+    old = ic.get_num_threads(), ext.ggml_get_force_scalar(), ext.ggml_get_register_rows(), ext.ggml_get_int8_rows()
     ic.set_num_threads(threads)
     ext.ggml_set_force_scalar(request.param == "portable")
-    ext.ggml_set_register_rows(1 << 20 if request.param.startswith("registers") else 0)
+    ext.ggml_set_register_rows(1 << 20 if "registers" in request.param else 0)
+    INT8["on"] = request.param == "int8_registers"
+    ext.ggml_set_int8_rows(1 << 20 if INT8["on"] else 0)
     try:
         yield request.param
     finally:
+        INT8["on"] = False
         ic.set_num_threads(old[0])
         ext.ggml_set_force_scalar(old[1])
         ext.ggml_set_register_rows(old[2])
+        ext.ggml_set_int8_rows(old[3])
 
 
 def packed(qtype, rows, blocks, seed=0):
@@ -85,11 +96,22 @@ def rand(shape, seed):
     return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
-def check_product(y, x, wf, *, scale=1.0):
-    """y ~ x @ wf.T within the float32 summation bound (see the module docstring)."""
+def int8_bound(xn, wf, qtype=None):
+    """sum_k |w_k| d_k / 2 for inputs xn [M, K] quantized to int8 in runs of 32 (0 unless the path
+    quantizes, and for types without a register kernel)."""
+    if not INT8["on"] or (qtype is not None and qtype not in REGISTER_TYPES) or xn.shape[-1] % 32:
+        return 0.0
+    d = np.abs(xn).reshape(xn.shape[0], -1, 32).max(-1) / 127
+    return (np.repeat(d, 32, axis=1) / 2) @ np.abs(wf.astype(np.float64)).T
+
+
+def check_product(y, x, wf, *, scale=1.0, qtype=None):
+    """y ~ x @ wf.T within the float32 summation bound (plus the int8 inputs' bound on that path;
+    see the module docstring)."""
     xn = np.array(x.astype(mx.float32), dtype=np.float64)
     exact = xn @ wf.astype(np.float64).T
     bound = 4 * wf.shape[1] * U * (np.abs(xn) @ np.abs(wf.astype(np.float64)).T) * scale + 1e-30
+    bound = bound + 1.0001 * int8_bound(xn, wf, qtype)
     got = np.array(y.astype(mx.float32), dtype=np.float64)
     assert got.shape == exact.shape
     err = np.abs(got - exact)
@@ -199,7 +221,7 @@ def test_half_inputs(path, xdtype):
     half = {mx.float16: 2.0 ** -11, mx.bfloat16: 2.0 ** -8}[xdtype]
     xn = np.array(x.astype(mx.float32), dtype=np.float64)
     exact = xn @ wf.T
-    bound = 4 * 512 * U * (np.abs(xn) @ np.abs(wf).T) + half * np.abs(exact)
+    bound = 4 * 512 * U * (np.abs(xn) @ np.abs(wf).T) + half * np.abs(exact) + 1.0001 * int8_bound(xn, wf)
     assert (np.abs(np.array(y.astype(mx.float32)) - exact) <= bound).all()
 
 

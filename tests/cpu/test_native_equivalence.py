@@ -50,6 +50,10 @@ def _arrays():
         "xq": a(3, 64), "wq": w, "sq": s, "bq": b, "wg": wg,
         "logits": a(6, 10), "targets": mx.array([0, 3, 9, 1, 2, 5]), "g6": a(6), "scores": a(2, 8, 8),
         "p": a(4, 8), "gp": a(4, 8), "m": a(4, 8), "v": mx.abs(a(4, 8)), "lr": mx.array(1e-3), "step": mx.array(3.0),
+        # a decoder block: width 16, 2 query heads and 1 key/value head of 8, MLP width 24, cache of 4
+        "bx": a(1, 1, 16), "w16b": a(16), "wq16": a(16, 16), "wk8": a(8, 16), "wv8": a(8, 16), "wo16": a(16, 16),
+        "wg24": a(24, 16), "wu24": a(24, 16), "wd16": a(16, 24), "kc": a(1, 1, 4, 8), "vc": a(1, 1, 4, 8),
+        "inv4": mx.abs(a(4)),
     }
     mx.eval(arrays)
     return arrays
@@ -77,6 +81,10 @@ def _cases(ext):
     rope = dict(dims=16, traditional=False, base=10000.0, scale=1.0, offset=0)
     softmax = dict(scale=0.5, causal=True, q_len=8, offset=0)
     adam = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, bias_correction=True)
+    step = dict(heads=2, kv_heads=1, head_dim=8, rope_dims=8, rope_traditional=False, rope_scale=1.0, attn_scale=0.3,
+                eps=1e-5, qk_eps=1e-6, window=0, qk_norm=False, gelu=False, types=[-1] * 7, bias=[False] * 7,
+                offset=1)
+    step_inputs = ["bx", "w16", "w16b", "wq16", "wk8", "wv8", "wo16", "wg24", "wu24", "wd16", "kc", "vc", "inv4"]
     return {
         "FastUnary": (f"Fast({UNARY})", lambda kind: getattr(ext, kind), ["x"], {"kind": "silu"},
                       {"kind": {"kind": "tanh"}}),
@@ -122,13 +130,20 @@ def _cases(ext):
                         ["p", "gp", "m", "v", "lr", "step"], adam,
                         {"b1": {"b1": 0.8}, "b2": {"b2": 0.99}, "eps": {"eps": 1e-6},
                          "weight_decay": {"weight_decay": 0.0}, "bias_correction": {"bias_correction": False}}),
+        "DecoderBlockStep": ("DecoderBlockStep", lambda **p: lambda *a: ext.decoder_block_step(list(a), **p),
+                             step_inputs, step,
+                             {"rope_traditional": {**step, "rope_traditional": True},
+                              "rope_scale": {**step, "rope_scale": 0.5}, "attn_scale": {**step, "attn_scale": 0.2},
+                              "eps": {**step, "eps": 1e-3}, "qk_eps": {**step, "qk_eps": 1e-3},
+                              "window": {**step, "window": 1}, "gelu": {**step, "gelu": True},
+                              "offset": {**step, "offset": 2}}),
     }
 
 
 CASE_NAMES = ["FastUnary", "FastUnaryGrad", "FastSoftmax", "FastSoftmaxGrad", "Im2Col", "Col2Im",
               "AffineQuantizedMatmul", "AffineDequantize", "GGMLMatmul", "GGMLDequantize", "RmsNorm", "RmsNormVJP",
               "Rope", "Gated", "GatedVJP", "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP",
-              "LayoutCopy", "AdamWUpdate"]
+              "LayoutCopy", "AdamWUpdate", "DecoderBlockStep"]
 VARIED = [(name, field) for name, fields in [
     ("FastUnary", ["kind"]), ("FastUnaryGrad", ["kind"]),
     ("Im2Col", ["kernel", "stride", "padding", "dilation"]),
@@ -140,6 +155,7 @@ VARIED = [(name, field) for name, fields in [
     ("Gated", ["kind"]), ("GatedVJP", ["kind"]), ("CrossEntropy", ["label_smoothing"]),
     ("ScaledSoftmax", ["scale", "causal", "q_len", "offset"]),
     ("AdamWUpdate", ["b1", "b2", "eps", "weight_decay", "bias_correction"]),
+    ("DecoderBlockStep", ["rope_traditional", "rope_scale", "attn_scale", "eps", "qk_eps", "window", "gelu", "offset"]),
 ] for field in fields]
 
 
@@ -179,7 +195,7 @@ def test_every_primitive_is_covered(ext):
     """Each primitive declares its name and is_equivalent through METALNN_PRIMITIVE, and has a case here."""
     sources = "".join(p.read_text() for p in sorted(SOURCES.glob("*.cpp")))
     assert "is_equivalent" not in sources
-    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 21
+    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 22
     assert list(_cases(ext)) == CASE_NAMES
 
 

@@ -362,5 +362,11 @@ void register_ggml(nb::module_& m) {
       nb::arg("rows"),
       "Input rows up to which the register kernels run (more: the decoded-rows kernel).");
   m.def("ggml_get_register_rows", []() { return gg::register_rows_setting().load(); });
+  m.def(
+      "ggml_set_int8_rows",
+      [](int v) { gg::int8_rows_setting() = std::max(0, v); },
+      nb::arg("rows"),
+      "Input rows up to which the register kernels take the input quantized to int8 (0: always float32).");
+  m.def("ggml_get_int8_rows", []() { return gg::int8_rows_setting().load(); });
   m.def("ggml_has_avx2", []() { return gg::cpu_has_avx2(); });
 }

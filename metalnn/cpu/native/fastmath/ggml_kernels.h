@@ -22,6 +22,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -64,6 +65,15 @@ inline std::atomic<int>& register_rows_setting() {
   return rows;
 }
 
+// Input rows up to which the register kernels take the input quantized to int8 (as llama.cpp's
+// products do: each 32 values of an input row become int8 levels and one float scale,
+// max|x| / 127, and a block's products are integer dot products scaled once). Above, and at 0,
+// the input stays float32. Tests set it to check both.
+inline std::atomic<int>& int8_rows_setting() {
+  static std::atomic<int> rows{4};
+  return rows;
+}
+
 inline bool use_avx2() {
   return cpu_has_avx2() && !force_scalar_flag().load();
 }
@@ -77,6 +87,8 @@ struct MatmulArgs {
   const float* xsum;  // [M, K / sub] sums of x over each sub-block (formats with a minimum)
   int64_t sub;  // values a sub-block (0: no sums)
   float* out;  // [M, N]
+  const int8_t* xq = nullptr;  // [M, K] the input quantized to int8 (the int8 register kernels), or null
+  const float* xd = nullptr;  // [M, K / 32] the scale of each 32 values of xq
   int64_t row_bytes() const {
     return K / type->block * type->size;
   }
@@ -615,6 +627,110 @@ GGML_TARGET void matmul_rows_registers(const MatmulArgs& a, int64_t r0, int64_t 
   }
 }
 
+// Sink of the int8 register product: acc[m] += (sc * dx_m) * (chunk . xq_m) for MB input rows, the
+// dot product of the 32 int8 levels in integers (levels in natural order: byte j is value j).
+template <class T, int MB>
+struct IntDotSink {
+  const int8_t* xq;  // the block's first quantized value in input row 0
+  int64_t ldq;
+  const float* xd;  // the scale of the block's first 32 values in input row 0
+  int64_t ldd;
+  const float* sc;
+  __m256 acc[MB];
+
+  GGML_INLINE void operator()(__m256i q, int i) {
+    __m256 scale;
+    if constexpr (T::SUB == 16) {
+      // int32 lanes 0-3 sum bytes 0-15 (sub-block 2i), lanes 4-7 bytes 16-31 (sub-block 2i + 1)
+      scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sc[2 * i])), _mm_set1_ps(sc[2 * i + 1]), 1);
+    } else {
+      scale = _mm256_broadcast_ss(sc + (32 * i) / T::SUB);
+    }
+    const __m256i ax = _mm256_sign_epi8(q, q);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i qx = load256(reinterpret_cast<const uint8_t*>(xq + m * ldq + 32 * i));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qx, q)), ones);
+      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_broadcast_ss(xd + m * ldd + i)),
+                               _mm256_cvtepi32_ps(dot), acc[m]);
+    }
+  }
+  GGML_INLINE void mem(const int8_t* p, int i) {
+    (*this)(load256(reinterpret_cast<const uint8_t*>(p)), i);
+  }
+};
+
+// out[m * ldo] = row . x_m for MB input rows given as int8 levels and scales (xs: their float
+// sub-block sums, for the formats with a bias).
+template <class T, int MB>
+GGML_TARGET void dot_row_int8(const uint8_t* row, int64_t nblocks, const int8_t* xq, int64_t ldq, const float* xd,
+                              int64_t ldd, const float* xs, int64_t ldxs, float* out, int64_t ldo) {
+  constexpr int NS = T::QK / T::SUB, NC = T::QK / 32;
+  IntDotSink<T, MB> sink;
+  alignas(32) float sc[NS], bias[NS];
+  sink.ldq = ldq;
+  sink.ldd = ldd;
+  sink.sc = sc;
+  __m256 bacc[MB];
+  float bsum[MB];
+  for (int m = 0; m < MB; ++m) {
+    sink.acc[m] = _mm256_setzero_ps();
+    bacc[m] = _mm256_setzero_ps();
+    bsum[m] = 0.0f;
+  }
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = row + b * T::TS;
+    T::params(p, sc, bias);
+    sink.xq = xq + b * T::QK;
+    sink.xd = xd + b * NC;
+    T::chunks(p, sink);
+    if constexpr (T::MIN) {
+      const float* xb = xs + b * NS;
+      for (int m = 0; m < MB; ++m) {
+        if constexpr (NS % 8 == 0) {
+          for (int v = 0; v < NS; v += 8)
+            bacc[m] = _mm256_fmadd_ps(_mm256_load_ps(bias + v), _mm256_loadu_ps(xb + m * ldxs + v), bacc[m]);
+        } else {
+          for (int v = 0; v < NS; ++v) bsum[m] += bias[v] * xb[m * ldxs + v];
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    float r = hsum(sink.acc[m]);
+    if constexpr (T::MIN) r += hsum(bacc[m]) + bsum[m];
+    out[m * ldo] = r;
+  }
+}
+
+template <class T>
+GGML_TARGET void matmul_rows_int8(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  const int64_t rb = a.row_bytes(), nb = a.K / T::QK, ldd = a.K / 32;
+  const int64_t ldxs = a.sub ? a.K / a.sub : 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = a.w + r * rb;
+    if (r + 2 < r1) _mm_prefetch(reinterpret_cast<const char*>(a.w + (r + 2) * rb), _MM_HINT_T0);
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4)
+      dot_row_int8<T, 4>(row, nb, a.xq + m * a.K, a.K, a.xd + m * ldd, ldd, a.xsum + m * ldxs, ldxs,
+                         a.out + m * a.N + r, a.N);
+    switch (a.M - m) {
+      case 3:
+        dot_row_int8<T, 3>(row, nb, a.xq + m * a.K, a.K, a.xd + m * ldd, ldd, a.xsum + m * ldxs, ldxs,
+                           a.out + m * a.N + r, a.N);
+        break;
+      case 2:
+        dot_row_int8<T, 2>(row, nb, a.xq + m * a.K, a.K, a.xd + m * ldd, ldd, a.xsum + m * ldxs, ldxs,
+                           a.out + m * a.N + r, a.N);
+        break;
+      case 1:
+        dot_row_int8<T, 1>(row, nb, a.xq + m * a.K, a.K, a.xd + m * ldd, ldd, a.xsum + m * ldxs, ldxs,
+                           a.out + m * a.N + r, a.N);
+        break;
+    }
+  }
+}
+
 // Sink of the exact dequantization: y = sc * q (+ bias), rounded as the MLX decoder rounds.
 template <class T>
 struct DequantSink {
@@ -717,7 +833,11 @@ struct DecodeRowFast {
 struct MatmulRegisters {
   template <class T>
   static void run(const MatmulArgs& a, int64_t r0, int64_t r1) {
-    matmul_rows_registers<T>(a, r0, r1);
+    if (a.xq != nullptr) {
+      matmul_rows_int8<T>(a, r0, r1);
+    } else {
+      matmul_rows_registers<T>(a, r0, r1);
+    }
   }
 };
 
@@ -785,6 +905,24 @@ GGML_TARGET inline void matmul_rows_decoded_avx2(const MatmulArgs& a, int64_t r0
 // Whether the register kernel runs a product of M input rows of type id.
 inline bool uses_registers(int id, int64_t M, bool avx2) {
   return avx2 && has_register_kernel(id) && M <= register_rows_setting().load();
+}
+
+// Whether the register kernel of a product of M input rows takes the input as int8.
+inline bool uses_int8(int id, int64_t M, bool avx2) {
+  return uses_registers(id, M, avx2) && M <= int8_rows_setting().load();
+}
+
+// The input rows x [M, K] as int8 levels q [M, K] and scales d [M, K / 32]: each 32 values get
+// d = max|x| / 127 and q = round(x / d) (d = 0, q = 0 for an all-zero run).
+inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
+  for (int64_t c = 0, n = M * K / 32; c < n; ++c) {
+    const float* xc = x + 32 * c;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xc[j]));
+    const float dc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[c] = dc;
+    for (int j = 0; j < 32; ++j) q[32 * c + j] = static_cast<int8_t>(std::nearbyint(xc[j] * inv));
+  }
 }
 
 // out[m, r] = W[r] . x_m for the weight rows [r0, r1).

@@ -25,13 +25,20 @@ class PreparedProduct {
     a_.x = x;
     a_.out = out;
     if (uses_registers(t.id, M, avx2_)) {
+      if (uses_int8(t.id, M, avx2_) && K % 32 == 0) {
+        xq_.resize(static_cast<size_t>(M * K));
+        xd_.resize(static_cast<size_t>(M * K / 32));
+        quantize_rows_int8(x, M, K, xq_.data(), xd_.data());
+        a_.xq = xq_.data();
+        a_.xd = xd_.data();
+      }
       if (bias_sub(t.id)) {
         a_.sub = bias_sub(t.id);
         xsum_.resize(static_cast<size_t>(M * (K / a_.sub)));
         sub_block_sums(a_.x, M, K, a_.sub, xsum_.data());
         a_.xsum = xsum_.data();
       }
-      if (register_kernel_order(t.id)) {
+      if (register_kernel_order(t.id) && a_.xq == nullptr) {
         xperm_.resize(static_cast<size_t>(M * K));
         for (int64_t m = 0; m < M; ++m) permute_chunks(a_.x + m * K, xperm_.data() + m * K, K);
         a_.x = xperm_.data();
@@ -55,7 +62,8 @@ class PreparedProduct {
  private:
   MatmulArgs a_{};
   bool avx2_ = false;
-  std::vector<float> xsum_, xperm_;
+  std::vector<float> xsum_, xperm_, xd_;
+  std::vector<int8_t> xq_;
 };
 
 }  // namespace metalnn_ggml

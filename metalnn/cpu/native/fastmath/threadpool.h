@@ -13,13 +13,24 @@
 //   the pool busy runs its loop on its own thread instead of waiting.
 // * A process forked after the pool started would make a fresh pool (threads do
 //   not survive fork), though MLX itself cannot evaluate in such a child.
+// * Waiting: a worker that finished a job, and a caller waiting for the workers'
+//   last chunks, first poll for up to spin_microseconds() (default 50 us;
+//   METALNN_SPIN_US=<us>, 0 never polls) before sleeping on a condition
+//   variable. A decoding step runs a few hundred short parallel loops a few
+//   microseconds apart: woken through the kernel each time, a worker would take
+//   longer to start than the loop takes. Between steps the workers sleep.
 
 #pragma once
 
 #include <unistd.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +42,43 @@
 #include <vector>
 
 namespace metalnn_native {
+
+inline int default_spin_microseconds() {
+  int us = 50;
+  if (const char* env = std::getenv("METALNN_SPIN_US")) {
+    const int v = std::atoi(env);
+    if (v >= 0) us = std::min(v, 10000);
+  }
+  return us;
+}
+
+inline std::atomic<int>& spin_microseconds() {
+  static std::atomic<int> us{default_spin_microseconds()};
+  return us;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Polls ready() for up to spin_microseconds(); whether it became true.
+template <class Ready>
+bool spin_until(const Ready& ready) {
+  const int us = spin_microseconds().load(std::memory_order_relaxed);
+  if (us <= 0) return ready();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= until) return ready();
+  }
+}
 
 class ThreadPool {
  public:
@@ -45,6 +93,7 @@ class ThreadPool {
     {
       std::lock_guard<std::mutex> lk(m_);
       stop_ = true;
+      stop_flag_.store(true);
     }
     cv_.notify_all();
     for (auto& t : threads_) t.join();
@@ -78,10 +127,12 @@ class ThreadPool {
       done_ = 0;
       error_ = nullptr;
       active_helpers_ = helpers;
-      ++generation_;
+      finished_.store(false, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     work();  // the caller takes chunks too
+    spin_until([this] { return finished_.load(std::memory_order_acquire); });
     std::unique_lock<std::mutex> lk(m_);
     done_cv_.wait(lk, [this] { return done_ == chunks_ && running_ == 0; });
     job_ = nullptr;
@@ -102,7 +153,10 @@ class ThreadPool {
         if (!error_) error_ = std::current_exception();
       }
       std::lock_guard<std::mutex> lk(m_);
-      if (++done_ == chunks_) done_cv_.notify_all();
+      if (++done_ == chunks_) {
+        if (running_ == 0) finished_.store(true, std::memory_order_release);
+        done_cv_.notify_all();
+      }
     }
   }
 
@@ -114,17 +168,21 @@ class ThreadPool {
       index = static_cast<int>(ids_++);
     }
     for (;;) {
+      spin_until([&] { return generation_.load(std::memory_order_acquire) != seen || stop_flag_.load(); });
       {
         std::unique_lock<std::mutex> lk(m_);
-        cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
+        cv_.wait(lk, [&] { return stop_ || generation_.load() != seen; });
         if (stop_) return;
-        seen = generation_;
+        seen = generation_.load();
         if (index >= active_helpers_) continue;  // not needed for this job
         ++running_;
       }
       work();
       std::lock_guard<std::mutex> lk(m_);
-      if (--running_ == 0) done_cv_.notify_all();
+      if (--running_ == 0) {
+        if (done_ == chunks_) finished_.store(true, std::memory_order_release);
+        done_cv_.notify_all();
+      }
     }
   }
 
@@ -133,7 +191,9 @@ class ThreadPool {
   std::mutex m_;
   std::condition_variable cv_, done_cv_;
   bool stop_ = false;
-  uint64_t generation_ = 0;
+  std::atomic<bool> stop_flag_{false};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> finished_{false};  // every chunk done and no worker inside the job
   size_t ids_ = 0;
   const Range* job_ = nullptr;
   size_t n_ = 0, chunks_ = 0, done_ = 0;

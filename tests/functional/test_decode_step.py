@@ -1,0 +1,203 @@
+"""The fused decoding step (`metalnn.functional.decoder_block_step`, one native node per block when
+decoding one position on the CPU) against transformers and against the op-by-op block.
+
+Oracles: transformers' logits of the whole sequence without a cache (float32 models of each block
+variant the step runs: GQA, q/k/v biases, q/k norms, sliding windows, Llama 3 RoPE frequencies;
+partial and interleaved RoPE, GeGLU and output biases on a block built directly), and for GGML-packed weights the same model run op by op on the ``"reference"`` device
+(weights decoded by the MLX decoders, products in MLX).
+
+Tolerances: float32 models 2e-4 of the logits' scale (float32 sums of width <= 128 in a different
+order than PyTorch's, through two blocks). GGML weights with float32 products (int8 inputs off)
+1e-4. With the int8 inputs of the register kernels (the default for decoding: each 32 inputs
+rounded to int8 levels of max|x|/127) the check is of the wiring only, 0.1: on these random weights
+(whose products cancel far more than trained ones) the logits move by about 3% of their scale,
+while a wrong scale or level order moves them by the order of the logits themselves. The products'
+own error bound is tested in tests/cpu/test_ggml_native.py.
+"""
+
+import io
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import metalnn as mn
+from metalnn.cpu import decode_step as native
+from metalnn.cpu import ggml as cpu_ggml
+from metalnn.layers.attention import KVCache
+from metalnn.llm.models import load_pretrained
+from tests.support import gguf_files
+from tests.support.hf_models import hf_logits, hf_model
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native extension is not built here")
+
+BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
+            tie_word_embeddings=False)
+
+VARIANTS = {
+    "llama_gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama3_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16))),
+    "qwen2_biases": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3_qk_norm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=16)),
+    "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=3)),
+}
+
+
+def node_names(arr) -> list:
+    buf = io.StringIO()
+    mx.export_to_dot(buf, arr)
+    return re.findall(r'label ?= ?"([A-Za-z_]+)', buf.getvalue())
+
+
+def decode_logits(model, toks, prompt_len, device=None, batch=False):
+    """Logits ``[B, T - prompt_len, vocab]`` of positions prompt_len.. decoded one at a time after a
+    prefill of the first prompt_len tokens; also the node names of the last step's graph."""
+    cache = model.make_cache()
+    model(mx.array(toks[:, :prompt_len]), cache=cache, device=device)
+    out, names = [], None
+    for t in range(prompt_len, toks.shape[1]):
+        logits = model(mx.array(toks[:, t:t + 1]), cache=cache, device=device)
+        names = node_names(logits)
+        mx.eval(logits)
+        out.append(np.array(logits[:, 0]))
+    return np.stack(out, axis=1), names
+
+
+@pytest.fixture
+def float_products():
+    """GGML products with float32 inputs (the int8 inputs of the register kernels off)."""
+    ext = cpu_ggml._ext
+    old = ext.ggml_get_int8_rows()
+    ext.ggml_set_int8_rows(0)
+    yield
+    ext.ggml_set_int8_rows(old)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fused_decoding_matches_transformers(variant, tmp_path):
+    cfg_cls, model_cls, extra = VARIANTS[variant]
+    hf = hf_model(cfg_cls, model_cls, **BASE, **extra)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    toks = np.random.default_rng(3).integers(0, BASE["vocab_size"], (2, 12))
+    got, names = decode_logits(model, toks, 4)
+    assert names.count("DecoderBlockStep") == BASE["num_hidden_layers"], names
+    want = hf_logits(hf, toks)[:, 4:]
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 2e-4, f"{variant}: relative error {err:.3g}"
+
+
+def test_cache_growth_while_fused(tmp_path, monkeypatch):
+    # capacity grows in blocks of KVCache.step; the cached positions are copied into the bigger
+    # buffers the fused step then writes into
+    monkeypatch.setattr(KVCache, "step", 3)
+    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    toks = np.random.default_rng(4).integers(0, BASE["vocab_size"], (1, 14))
+    got, _ = decode_logits(model, toks, 2)
+    want = hf_logits(hf, toks)[:, 2:]
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
+
+
+def test_fused_step_falls_back_for_other_devices_and_adapters(tmp_path):
+    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    toks = np.random.default_rng(5).integers(0, BASE["vocab_size"], (1, 7))
+    want = hf_logits(hf, toks)[:, 4:]
+    got, names = decode_logits(model, toks, 4, device=mn.Device(kernels="reference"))
+    assert "DecoderBlockStep" not in names
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
+    # a LoRA adapter on a projection: the block runs op by op (the adapter's output counts)
+    mn.lora.apply(model, rank=2, targets=("q_proj",))
+    _, names = decode_logits(model, toks, 4)
+    assert "DecoderBlockStep" not in names
+
+
+@pytest.mark.parametrize("int8_inputs", [False, True])
+def test_fused_decoding_with_ggml_weights(tmp_path, int8_inputs, float_products):
+    hf = gguf_files.hf_model("llama", vocab=400, seed=2)
+    path = tmp_path / "m.gguf"
+    # block types only (the half-precision types load as float16 layers, which run op by op)
+    gguf_files.write(path, hf, types={**gguf_files.TYPES, "attn_output.weight": gguf_files.Q.Q5_0,
+                                      "ffn_up.weight": gguf_files.Q.Q5_1})
+    model = load_pretrained(path)
+    if int8_inputs:
+        cpu_ggml._ext.ggml_set_int8_rows(4)
+    toks = np.random.default_rng(6).integers(0, 400, (2, 10))
+    got, names = decode_logits(model, toks, 3)
+    assert names.count("DecoderBlockStep") == 2, names
+    cpu_ggml._ext.ggml_set_int8_rows(0)
+    want, ref_names = decode_logits(model, toks, 3, device=mn.Device(kernels="reference"))
+    assert "DecoderBlockStep" not in ref_names
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < (0.1 if int8_inputs else 1e-4), err
+
+
+def test_fused_step_has_no_gradient(tmp_path):
+    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    x = mx.random.normal((1, 1, BASE["hidden_size"]))
+
+    def f(x):
+        cache = KVCache()
+        return model.model.layers[0](x, cache=cache).sum()
+
+    with pytest.raises(ValueError, match="decoding only"):
+        mx.grad(f)(x)
+
+
+def test_bad_inputs_name_the_tensor():
+    D, hd, H, G, I = 32, 8, 4, 2, 48
+    f32 = lambda *s: mx.zeros(s, mx.float32)  # noqa: E731
+    weights = [f32(H * hd, D), f32(G * hd, D), f32(G * hd, D), f32(D, H * hd), f32(I, D), f32(I, D), f32(D, I)]
+    kw = dict(offset=0, heads=H, kv_heads=G, head_dim=hd, rope_dims=hd, rope_traditional=False, rope_scale=1.0,
+              attn_scale=hd ** -0.5, eps=1e-5)
+    args = lambda ws, cap=4: (f32(1, 1, D), (f32(D), f32(D)), ws, [-1] * 7, [None] * 7,  # noqa: E731
+                              f32(1, G, cap, hd), f32(1, G, cap, hd), f32(hd // 2))
+    out, k, v = native.decoder_block_step(*args(weights), **kw)
+    assert out.shape == (1, 1, D) and k.shape == (1, G, 4, hd)
+    bad = list(weights)
+    bad[1] = f32(G * hd + 1, D)
+    with pytest.raises(ValueError, match=r"k_proj must be float32 of shape \(16, 32\), got float32 of shape \(17, 32\)"):
+        native.decoder_block_step(*args(bad), **kw)
+    with pytest.raises(ValueError, match="outside the cache capacity 4"):
+        native.decoder_block_step(*args(weights), **{**kw, "offset": 4})
+    bad = list(weights)
+    bad[4] = mx.zeros((I, D // 32 * 34), mx.uint8)
+    with pytest.raises(ValueError, match="gate_proj must be uint8 of shape"):
+        t = [-1] * 7
+        t[4] = 2  # Q4_0: 18 bytes a block
+        native.decoder_block_step(*args(bad)[:3], t, *args(bad)[4:], **kw)
+    with pytest.raises(ValueError, match="activation must be silu or gelu_tanh"):
+        native.decoder_block_step(*args(weights), **kw, activation="relu")
+
+
+def test_single_step_matches_op_by_op_block_with_gelu_and_partial_interleaved_rope():
+    # a block built directly: GeGLU (tanh) gate, interleaved RoPE pairs on half of each head, biases
+    block = mn.layers.TransformerBlock(4, 40, num_kv_heads=2, rope_traditional=True, rope_dims=4, attention_bias=True,
+                                       attention_out_bias=True, mlp_bias=True, activation="gelu_tanh")
+    x = mx.random.normal((3, 5, 32), key=mx.random.key(0))
+    block(x)  # builds it
+    from mlx.utils import tree_flatten, tree_unflatten
+    params = tree_flatten(block.parameters())
+    block.update(tree_unflatten([(k, mx.random.normal(v.shape, key=mx.random.key(i)) * 0.3 + (1.0 if "norm" in k else 0.0))
+                                 for i, (k, v) in enumerate(params)]))
+    ref, fused = KVCache(), KVCache()
+    dev = mn.Device(kernels="reference")
+    block(x[:, :4], cache=ref, device=dev)
+    block(x[:, :4], cache=fused, device=dev)
+    want = block(x[:, 4:], cache=ref, device=dev)
+    got = block(x[:, 4:], cache=fused)
+    assert "DecoderBlockStep" in node_names(got)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
+    assert fused.offset == ref.offset == 5
+    np.testing.assert_allclose(np.array(fused.state[0]), np.array(ref.state[0]), rtol=1e-5, atol=1e-5)
