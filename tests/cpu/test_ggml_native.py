@@ -328,3 +328,17 @@ def test_fallback_for_float_types(path):
     np.testing.assert_allclose(np.array(cg.matmul(x, w, "F16")), np.array(x) @ data.astype(np.float32).T,
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.array(cg.dequantize(w, "F16")), data.astype(np.float32))
+
+
+def test_int8_input_rows_setting():
+    require_native()
+    old = cg.int8_input_rows()
+    try:
+        cg.set_int8_input_rows(4)
+        assert cg.int8_input_rows() == 4 == cg._ext.ggml_get_int8_rows()
+        for bad in (-1, 1.5, True, "4"):
+            with pytest.raises(ValueError, match="rows must be an int >= 0"):
+                cg.set_int8_input_rows(bad)
+        assert cg.int8_input_rows() == 4
+    finally:
+        cg.set_int8_input_rows(old)

@@ -8,8 +8,8 @@ partial and interleaved RoPE, GeGLU and output biases on a block built directly)
 
 Tolerances: float32 models 2e-4 of the logits' scale (float32 sums of width <= 128 in a different
 order than PyTorch's, through two blocks). GGML weights with float32 products (int8 inputs off)
-1e-4. With the int8 inputs of the register kernels (the default for decoding: each 32 inputs
-rounded to int8 levels of max|x|/127) the check is of the wiring only, 0.1: on these random weights
+1e-4. With the int8 inputs of the register kernels (`metalnn.cpu.ggml.set_int8_input_rows`: each 32
+inputs rounded to int8 levels of max|x|/127) the check is of the wiring only, 0.1: on these random weights
 (whose products cancel far more than trained ones) the logits move by about 3% of their scale,
 while a wrong scale or level order moves them by the order of the logits themselves. The products'
 own error bound is tested in tests/cpu/test_ggml_native.py.
