@@ -102,9 +102,17 @@ def native_types() -> tuple:
     return tuple(name for name, cls in _ggml.TYPES.items() if cls.type_id in ids)
 
 
+_TYPE_IDS: dict = {}
+
+
 def native_type_ids() -> frozenset:
     """GGUF type ids of the types the native primitives run (empty without the extension)."""
-    return frozenset(_ext.ggml_type_ids()) if _ext is not None else frozenset()
+    if _ext is None:
+        return frozenset()
+    ids = _TYPE_IDS.get(id(_ext))
+    if ids is None:
+        ids = _TYPE_IDS[id(_ext)] = frozenset(_ext.ggml_type_ids())
+    return ids
 
 
 def _on_cpu(stream) -> bool:

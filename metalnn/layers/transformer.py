@@ -20,22 +20,28 @@ from .mlp import MLP, SwiGLU
 from .norm import RMSNorm
 
 
+# (Called for every block at every decoding step: parameters are read as the layers' dict items,
+# which is several times faster than mlx.nn.Module's attribute fallback.)
+
+
 def _projection(layer):
     """``(weight, GGUF type id or -1 for float32, bias or None)`` of a projection the fused decoding
     step can run (a packed GGML or a plain float32 layer), else None."""
-    bias = layer.bias if getattr(layer, "use_bias", False) else None
-    if type(layer) is GGMLLinear:
-        return layer.weight, layer.qtype.type_id, bias
-    if type(layer) is Linear and layer.weight.dtype == mx.float32:
-        return layer.weight, -1, bias
-    return None
+    kind = type(layer)
+    if kind is not GGMLLinear and kind is not Linear:
+        return None
+    w = layer["weight"]
+    bias = layer["bias"] if layer.use_bias else None
+    if kind is GGMLLinear:
+        return w, layer.qtype.type_id, bias
+    return (w, -1, bias) if w.dtype == mx.float32 else None
 
 
 def _gain(norm):
     """The RMSNorm's gain ``weight + offset``, or None for a norm the fused step cannot run."""
     if type(norm) is not RMSNorm or not norm.affine:
         return None
-    return norm.weight + norm.offset if norm.offset else norm.weight
+    return norm["weight"] + norm.offset if norm.offset else norm["weight"]
 
 
 class DecoderBlock(Layer):
@@ -93,28 +99,29 @@ class DecoderBlock(Layer):
         """The block as `metalnn.functional.BlockStep` (for decoding one position), or None when its
         layers are not of the form the fused step runs (RMSNorms, `SelfAttention` without an output
         gate, a gated `MLP` without active dropout; float32 or GGML projections, no adapters)."""
-        attn, mlp = self.mixer, self.mlp
+        attn, mlp = self[self.mixer_name], self["mlp"]
         if type(attn) is not SelfAttention or attn.output_gate or not attn.causal or attn.head_dim is None:
             return None
-        if not isinstance(mlp, MLP) or not mlp.is_gated or (isinstance(mlp.dropout, Dropout) and mlp.dropout.p
-                                                            and mlp.dropout.training):
+        if type(mlp) not in (MLP, SwiGLU) or not mlp.is_gated:
             return None
-        if type(mlp) not in (MLP, SwiGLU):
+        dropout = mlp["dropout"]
+        if isinstance(dropout, Dropout) and dropout.p and dropout.training:
             return None
-        gains = (_gain(self.input_layernorm), _gain(self.post_attention_layernorm))
-        if any(g is None for g in gains) or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+        norm1, norm2 = self["input_layernorm"], self["post_attention_layernorm"]
+        gains = (_gain(norm1), _gain(norm2))
+        if gains[0] is None or gains[1] is None or norm1.eps != norm2.eps:
             return None
-        projections = tuple(_projection(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        if any(p is None for p in projections):
+        projections = tuple(_projection(p) for p in (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"],
+                                                     mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]))
+        if None in projections:  # (tuples compare by identity first: no array == None)
             return None
         qk_gains = None
         if attn.qk_norm:
-            qk_gains = (_gain(attn.q_norm), _gain(attn.k_norm))
-            if any(g is None for g in qk_gains):
+            qk_gains = (_gain(attn["q_norm"]), _gain(attn["k_norm"]))
+            if qk_gains[0] is None or qk_gains[1] is None:
                 return None
         return F.BlockStep(
-            gains=gains, eps=self.input_layernorm.eps, projections=projections, heads=attn.num_heads,
+            gains=gains, eps=norm1.eps, projections=projections, heads=attn.num_heads,
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             rope_dims=(attn.rope_dims or attn.head_dim) if attn.use_rope else 0,
             rope_traditional=attn.rope_traditional, rope_base=attn.rope_base, rope_scale=attn.rope_scale,
@@ -124,8 +131,8 @@ class DecoderBlock(Layer):
     def _fused_step(self, device, data, cache):
         """One decoding position through `metalnn.functional.decoder_block_step` (the whole block as
         one fused op where it applies); None when it does not (the caller runs the layers)."""
-        if not all(child.built for child in (self.input_layernorm, self.mixer, self.post_attention_layernorm,
-                                             self.mlp)):
+        if not (self["input_layernorm"].built and self[self.mixer_name].built and self["post_attention_layernorm"].built
+                and self["mlp"].built):
             return None  # the first call builds them
         plan = self._step_plan()
         if plan is None:
