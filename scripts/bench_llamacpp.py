@@ -10,12 +10,16 @@ Files: the bundled SmolLM2-135M-Instruct Q4_1, and Q8_0 and Q4_K_M made from it 
   the KV cache, the next step queued while the previous one runs). Prompt: the time to the first new
   token of a 512-token random prompt (one forward over the 512 tokens) -> 512 / s. Decode: like
   ``tg64``, 64 tokens after a 1-token prompt (65 new tokens; the 64 after the first timed). One
-  warm-up, then the median of ``--runs`` runs.
+  warm-up, then the median of ``--runs`` runs. Decoding is timed twice: with metalnn's default
+  float32 product inputs, and with int8 inputs as llama.cpp computes its products
+  (`metalnn.cpu.ggml.set_int8_input_rows`).
+
+``--files`` adds other GGUF files (e.g. the 1B-parameter Llama of ``scripts/make_llama1b_gguf.py``).
 
 The machine's load average is printed before and after: other processes on the cores change both
 sides (the two run one after the other, not at once).
 
-    python scripts/bench_llamacpp.py [--types Q4_1,Q8_0,Q4_K_M] [--threads 2] [--runs 3]
+    python scripts/bench_llamacpp.py [--types Q4_1,Q8_0,Q4_K_M] [--files A.gguf B.gguf] [--threads 2] [--runs 3]
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ def bench_llamacpp(path: Path, threads: int, prompt: int, gen: int, bin_folder, 
 
 
 def bench_metalnn(path: Path, prompt: int, gen: int, runs: int):
-    """``(prompt tokens/s, decode tokens/s)`` of metalnn, timed as ``metalnn bench`` times it."""
+    """``(prompt tokens/s, decode tokens/s, decode tokens/s with int8 product inputs)`` of metalnn,
+    timed as ``metalnn bench`` times it."""
     import metalnn as mn
     from metalnn.cli.bench import measure
+    from metalnn.cpu import ggml as cpu_ggml
 
     model = mn.models.load_pretrained(path)
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, prompt).tolist()
@@ -59,15 +65,23 @@ def bench_metalnn(path: Path, prompt: int, gen: int, runs: int):
     measure(model, tokens[:1], 4)
     pp = statistics.median(measure(model, tokens, 1)[0] for _ in range(runs))
     tg = statistics.median(measure(model, tokens[:1], gen + 1)[1] for _ in range(runs))
+    old = cpu_ggml.int8_input_rows()
+    cpu_ggml.set_int8_input_rows(4)
+    try:
+        measure(model, tokens[:1], 4)
+        tg8 = statistics.median(measure(model, tokens[:1], gen + 1)[1] for _ in range(runs))
+    finally:
+        cpu_ggml.set_int8_input_rows(old)
     del model
     gc.collect()
-    return prompt / pp, gen / tg
+    return prompt / pp, gen / tg, gen / tg8
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=common.DEFAULT_WORK, help="where the made files are cached")
     p.add_argument("--types", default="Q4_1,Q8_0,Q4_K_M", help="comma-separated types (default Q4_1,Q8_0,Q4_K_M)")
+    p.add_argument("--files", type=Path, nargs="*", default=[], help="more GGUF files to compare")
     p.add_argument("--threads", type=int, default=2, help="llama-bench threads (default 2)")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--gen", type=int, default=64, help="generated tokens (default 64)")
@@ -80,26 +94,33 @@ def main(argv=None):
     import metalnn
 
     types = [t.strip() for t in args.types.split(",") if t.strip()]
-    files = common.make_files(args.work, types, args.llamacpp)
+    files = common.make_files(args.work, types, args.llamacpp) if types else {}
+    labels = {t: f"SmolLM2-135M {t}" for t in types}
+    for f in args.files:
+        if not f.is_file():
+            sys.exit(f"--files: no such file {f}")
+        files[f.name] = f
+        labels[f.name] = f.name
+        types.append(f.name)
     before = common.load_line()
     print(f"{platform.machine()} {platform.processor() or ''}, {common.load_line()}", flush=True)
     rows = []
     for t in types:
         ll_pp, ll_tg = bench_llamacpp(files[t], args.threads, args.prompt, args.gen, args.llamacpp)
-        mn_pp, mn_tg = bench_metalnn(files[t], args.prompt, args.gen, args.runs)
-        rows.append((t, files[t].stat().st_size, ll_tg, mn_tg, ll_pp, mn_pp))
+        mn_pp, mn_tg, mn_tg8 = bench_metalnn(files[t], args.prompt, args.gen, args.runs)
+        rows.append((t, files[t].stat().st_size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp))
         print(f"  {t}: llama.cpp pp{args.prompt} {ll_pp:.1f} tg{args.gen} {ll_tg:.1f}; metalnn prompt {mn_pp:.1f} "
-              f"decode {mn_tg:.1f} tokens/s; {common.load_line()}", flush=True)
+              f"decode {mn_tg:.1f} (int8 inputs {mn_tg8:.1f}) tokens/s; {common.load_line()}", flush=True)
 
     print(f"\nllama.cpp {common.llamacpp_version(args.llamacpp)} ({args.threads} threads); metalnn "
           f"{getattr(metalnn, '__version__', '?')}, MLX {mx.__version__}")
     print(f"load before: {before}; after: {common.load_line()}")
-    print(f"| file | llama.cpp decode (tg{args.gen}) | metalnn decode | ratio | llama.cpp prompt (pp{args.prompt}) "
-          "| metalnn prompt | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for t, size, ll_tg, mn_tg, ll_pp, mn_pp in rows:
-        print(f"| SmolLM2-135M {t} ({size / 1e6:.0f} MB) | {ll_tg:.1f} tokens/s | {mn_tg:.1f} | {mn_tg / ll_tg:.2f}x "
-              f"| {ll_pp:.1f} tokens/s | {mn_pp:.1f} | {mn_pp / ll_pp:.2f}x |")
+    print(f"| file | llama.cpp decode (tg{args.gen}) | metalnn decode | ratio | metalnn decode, int8 inputs | ratio "
+          f"| llama.cpp prompt (pp{args.prompt}) | metalnn prompt | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for t, size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp in rows:
+        print(f"| {labels[t]} ({size / 1e6:.0f} MB) | {ll_tg:.1f} tokens/s | {mn_tg:.1f} | {mn_tg / ll_tg:.2f}x "
+              f"| {mn_tg8:.1f} | {mn_tg8 / ll_tg:.2f}x | {ll_pp:.1f} tokens/s | {mn_pp:.1f} | {mn_pp / ll_pp:.2f}x |")
     return 0
 
 
