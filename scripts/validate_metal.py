@@ -16,6 +16,11 @@ Needs Metal (macOS on Apple Silicon): elsewhere it says so and exits with status
    run also checks that every kernel in ``metal_kernels/`` was launched.
 2. Speed: the workloads of ``scripts/bench_kernels.py``, ``metal`` and ``auto`` (MLX's fused ops)
    against MLX's built-in op, best of ``--repeats`` runs.
+3. Decoding (``--decode MODEL``, a Hugging Face or MLX-format model folder): greedy tokens/s of
+   metalnn (``metalnn bench``'s timing: prompt, then the new tokens) against mlx-lm's
+   ``stream_generate`` on the same folder (``pip install mlx-lm``), median of ``--decode-runs``;
+   on a Mac the product is MLX's own kernels on both sides, so this checks that metalnn's layers add
+   nothing around them.
 
 Exit status: 0 if every check passed, 1 otherwise, 2 without Metal.
 """
@@ -154,6 +159,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-timing", action="store_true", help="only the correctness checks")
     p.add_argument("--emulate", action="store_true", help="run the checks on the CPU emulator (no timings)")
+    p.add_argument("--decode", metavar="MODEL", help="also time greedy decoding of this model folder against mlx-lm")
+    p.add_argument("--decode-tokens", type=int, default=128, help="new tokens per decoding run (default 128)")
+    p.add_argument("--decode-runs", type=int, default=3, help="decoding runs, median (default 3)")
     args = p.parse_args(argv)
     if not args.emulate and not mx.metal.is_available():
         print("validate_metal.py needs Metal (macOS on Apple Silicon); Metal is not available here. "
@@ -204,7 +212,45 @@ def main(argv=None):
         print(f"\n## Speed against MLX's built-in ops (best of {args.repeats})\n")
         print(bench_kernels.markdown_table(header, timing))
         print("\nspeed = MLX built-in time / metalnn time (> 1: metalnn faster)")
+    if args.decode and not args.emulate:
+        print(decode_table(args.decode, args.decode_tokens, args.decode_runs))
     return 1 if failures else 0
+
+
+def decode_table(model_path: str, new_tokens: int, runs: int, prompt_tokens: int = 64) -> str:
+    """Markdown: greedy decoding tokens/s of metalnn and mlx-lm on the same model folder."""
+    import statistics
+    import time
+
+    from metalnn.cli.bench import measure
+
+    model = mn.models.load_pretrained(model_path)
+    prompt = np.random.default_rng(0).integers(0, model.vocab_size, prompt_tokens).tolist()
+    measure(model, prompt, 4)
+    ours = statistics.median((new_tokens - 1) / measure(model, prompt, new_tokens)[1] for _ in range(runs))
+    del model
+    rows = [["metalnn", f"{ours:.1f}", "1.00x"]]
+    try:
+        import mlx_lm
+    except ImportError:
+        rows.append(["mlx-lm", "not installed (pip install mlx-lm)", "-"])
+    else:
+        lm, _ = mlx_lm.load(model_path)
+        from mlx_lm.generate import generate_step
+
+        def theirs():
+            steps = generate_step(mx.array(prompt), lm, max_tokens=new_tokens)
+            next(steps)
+            start = time.perf_counter()
+            for _ in steps:
+                pass
+            return (new_tokens - 1) / (time.perf_counter() - start)
+
+        theirs()
+        rate = statistics.median(theirs() for _ in range(runs))
+        rows.append(["mlx-lm", f"{rate:.1f}", f"{ours / rate:.2f}x"])
+    return (f"\n## Greedy decoding, {model_path} ({prompt_tokens}-token prompt, {new_tokens} new tokens, median of "
+            f"{runs})\n\n" + bench_kernels.markdown_table(["engine", "tokens/s", "metalnn / engine"], rows))
 
 
 if __name__ == "__main__":
