@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     if args.fixed:
         head, sep = head + " metalnn, fixed threads |", sep + " ---: |"
     if llamacpp:
-        head, sep = head + f" llama.cpp pp{args.prompt} ({args.threads} threads) | metalnn / llama.cpp |", sep + " ---: | ---: |"
+        head += f" llama.cpp pp{args.prompt} ({args.threads} threads) | metalnn / llama.cpp |"
+        sep += " ---: | ---: |"
     print("\n" + head + " load average before -> after |\n" + sep + " --- |")
     for r in rows:
         line = f"| {r['busy']} | {r['auto']['prompt_tps']:.1f} | {r['auto']['num_threads']} |"

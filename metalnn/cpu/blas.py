@@ -231,9 +231,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def _missing_names(lib: ctypes.CDLL) -> str:
-    return ", ".join(
-        lib.metalnn_shim_symbol(i).decode() for i in range(lib.metalnn_shim_count()) if not lib.metalnn_shim_is_resolved(i)
-    )
+    """The names the library given to the last failed init lacks."""
+    count = lib.metalnn_shim_count()
+    return ", ".join(lib.metalnn_shim_symbol(i).decode() for i in range(count) if not lib.metalnn_shim_is_resolved(i))
 
 
 def _bind_numpy(library: str, lib: ctypes.CDLL) -> str:
