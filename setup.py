@@ -2,10 +2,10 @@
 
 On Linux this
 
-* builds metalnn/cpu/native/cblas_shim.c into the shared library ``metalnn/cpu/_cblas_shim*.so``:
+* builds metalnn/cpu/native/*.c into the shared library ``metalnn/cpu/_cblas_shim*.so``:
   it exports the standard ``cblas_*``/LAPACK symbols that MLX's libmlx.so imports and
-  forwards them to the ``scipy_``-prefixed OpenBLAS of the scipy-openblas32 wheel (see
-  metalnn/cpu/blas.py). The library is only ever loaded with ctypes; it is a (trivial)
+  forwards them to NumPy's bundled OpenBLAS, or to the OpenBLAS of the scipy-openblas32
+  wheel (see metalnn/cpu/blas.py). The library is only ever loaded with ctypes; it is a (trivial)
   extension module just so setuptools can build and install it. The build is optional:
   if it fails, metalnn compiles the shim at import time into ~/.cache/metalnn (or warns);
 * builds the optional ``metalnn.cpu._fastmath`` extension (CMake + nanobind, against the
@@ -121,10 +121,15 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "metalnn.cpu._cblas_shim",
-            sources=["metalnn/cpu/native/cblas_shim.c"],
+            sources=[
+                "metalnn/cpu/native/cblas_shim.c",
+                "metalnn/cpu/native/cblas_typed.c",
+                "metalnn/cpu/native/blas_threads.c",
+            ],
+            depends=["metalnn/cpu/native/cblas_shim.h"],
             define_macros=[("METALNN_SHIM_PYMODULE", "1")],
             extra_compile_args=["-O2"],
-            libraries=["dl"],
+            libraries=["dl", "pthread", "m"],
             optional=True,
         )
     )
@@ -140,6 +145,6 @@ if sys.platform.startswith("linux"):
 setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    # The C source is also needed at run time, for the fallback build into ~/.cache.
-    package_data={"metalnn.cpu": ["native/*.c"]},
+    # The C sources are also needed at run time, for the fallback build into ~/.cache.
+    package_data={"metalnn.cpu": ["native/*.c", "native/*.h"]},
 )

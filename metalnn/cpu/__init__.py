@@ -2,6 +2,8 @@
 package itself) imports it; layers, losses and optimizers reach it through `metalnn.functional`.
 
 * `blas`, `blas_hook`: OpenBLAS for MLX's matrix products (a forwarding shim and a startup hook);
+  `blas_libs` finds the library (NumPy's own, so both share one thread pool, else scipy-openblas32's),
+  `blas_threads` sets the shim's thread governor (OpenBLAS threads from the cores left free);
 * `native_ext`: loads the native extension ``metalnn.cpu._fastmath`` (built from ``native/fastmath``)
   when it matches the installed MLX;
 * `fastmath` (element-wise maps), `fused` (fused training primitives), `im2col` (convolution

@@ -1,4 +1,4 @@
-"""Give MLX an optimized BLAS on Linux.
+"""Give MLX an optimized BLAS on Linux: NumPy's own OpenBLAS where there is one.
 
 The Linux ``mlx[cpu]`` wheel links the slow reference (netlib) BLAS/LAPACK it bundles
 (``mlx_cpu.libs/libblas-*.so``). ``libmlx.so`` resolves ``cblas_sgemm`` and friends
@@ -12,16 +12,26 @@ hook into site-packages (``metalnn-blas-hook.pth`` + ``_metalnn_blas_hook.py``, 
 ``metalnn/cpu/blas_hook.py``) that calls it just before MLX loads, so import order does not
 matter. Steps:
 
-1. loads OpenBLAS from the ``scipy-openblas32`` wheel with ``RTLD_GLOBAL``; its symbols
-   carry a ``scipy_`` prefix (``scipy_cblas_sgemm``), so on its own MLX cannot use it;
-2. loads ``metalnn/cpu/_cblas_shim*.so`` (built from ``metalnn/cpu/native/cblas_shim.c`` by
+1. picks the OpenBLAS (`metalnn.cpu.blas_libs`): NumPy's own, the ILP64 library its wheel
+   bundles in ``numpy.libs`` (``scipy_cblas_sgemm64_``, 64-bit integers), so that NumPy and
+   MLX share one library and one thread pool (two pools on the same cores spin against each
+   other: each side's products took twice as long when a script alternated them); else the
+   LP64 one of the ``scipy-openblas32`` wheel (``scipy_cblas_sgemm``);
+2. loads ``metalnn/cpu/_cblas_shim*.so`` (built from ``metalnn/cpu/native/*.c`` by
    ``pip install``; compiled on the fly into ``~/.cache/metalnn`` when missing and a C
    compiler exists), which exports the unprefixed ``cblas_*``/LAPACK names that
-   ``libmlx.so`` imports and forwards each to its ``scipy_`` counterpart;
-3. promotes the shim to the global scope once every forwarding target resolved.
+   ``libmlx.so`` imports and forwards each to its OpenBLAS counterpart (through a wrapper
+   that widens the integers for the ILP64 library);
+3. promotes the shim to the global scope once every forwarding target resolved;
+4. turns on the shim's thread governor, which fits OpenBLAS's thread count to the cores
+   other processes leave free (`metalnn.cpu.blas_threads`).
 
 Environment:
-  ``METALNN_BLAS=off``  do nothing (MLX keeps its bundled reference BLAS).
+  ``METALNN_BLAS=off``  do nothing (MLX keeps its bundled reference BLAS);
+  ``METALNN_BLAS=numpy`` / ``METALNN_BLAS=scipy-openblas32``  use that library only (the
+  default, ``auto``, tries NumPy's first);
+  ``METALNN_BLAS_THREADS``  ``auto`` (default), ``<k>`` or ``fixed``: see
+  `metalnn.cpu.blas_threads`.
 
 Nothing happens on macOS (MLX uses Accelerate there) or on other platforms.
 ``blas_info()`` reports what happened. The only case left slow is ``mlx`` imported before
@@ -35,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -46,8 +57,14 @@ import warnings
 __all__ = ["setup", "blas_info"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SHIM_SOURCE = os.path.join(_HERE, "native", "cblas_shim.c")
+_NATIVE = os.path.join(_HERE, "native")
+# The shim's C sources (compiled together) and their shared header.
+_SHIM_SOURCES = [os.path.join(_NATIVE, n) for n in ("cblas_shim.c", "cblas_typed.c", "blas_threads.c")]
+_SHIM_HEADERS = [os.path.join(_NATIVE, "cblas_shim.h")]
 _SHIM_EXT_GLOB = "_cblas_shim*.so"
+_SHIM_MIN_VERSION = 2  # metalnn_shim_init_ilp64 and the thread governor
+_OFF_VALUES = {"off", "0", "false", "no", "none"}
+_CHOICES = {"", "auto", "on", "numpy", "scipy-openblas32"}
 
 _lock = threading.Lock()
 _done = False
@@ -58,9 +75,32 @@ _info: dict = {
     "shim": None,  # forwarding shim shared library
     "reason": "metalnn.cpu.blas.setup() has not run",
     "loaded_by": None,  # "import metalnn", "startup hook" or "LD_PRELOAD" when active
+    "interface": None,  # "ILP64" (NumPy's library) or "LP64" (scipy-openblas32's) when active
+    "shared_with_numpy": False,  # the library is the one NumPy's wheel bundles
+    "numpy_library_reason": None,  # why NumPy's library does not serve MLX (None when it does)
+    "threads_reason": None,  # why the thread governor is off (None when it is on)
 }
 # Keep the CDLL objects alive for the life of the process.
 _handles: list = []
+_shim_lib: ctypes.CDLL | None = None  # the loaded shim (for the governor's state)
+_names: tuple[str, str] = ("scipy_", "")  # OpenBLAS's name prefix and suffix (ILP64: "64_")
+
+
+def _sibling(name: str):
+    """``metalnn.cpu.<name>``, loaded by file path: this module may run before (and without)
+    the ``metalnn`` package being importable (the startup hook loads it on its own)."""
+    full = f"metalnn.cpu.{name}"
+    module = sys.modules.get(full)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(full, os.path.join(_HERE, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(full, None)
+            raise
+    return module
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -70,8 +110,16 @@ def _warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def _disabled_by_env() -> bool:
-    return os.environ.get("METALNN_BLAS", "").strip().lower() in {"off", "0", "false", "no", "none"}
+def _choice() -> str:
+    """``METALNN_BLAS``: "off", "auto", "numpy" or "scipy-openblas32"."""
+    value = os.environ.get("METALNN_BLAS", "").strip().lower()
+    if value in _OFF_VALUES:
+        return "off"
+    if value not in _CHOICES:
+        _warn_once("choice", f"metalnn: METALNN_BLAS={value!r} is not one of off, auto, numpy, scipy-openblas32; "
+                             "using auto")
+        return "auto"
+    return "auto" if value in ("", "on") else value
 
 
 def _mlx_already_loaded() -> bool:
@@ -87,22 +135,12 @@ def _mlx_already_loaded() -> bool:
 
 def _openblas_path() -> str | None:
     """Path of scipy-openblas32's shared library, or None if it is not installed."""
-    try:
-        # Importing it also loads the library with RTLD_GLOBAL (harmless; prefixed symbols).
-        import scipy_openblas32  # type: ignore[import-not-found]
-    except Exception:  # pragma: no cover - depends on the environment
-        return None
-    lib_dir = scipy_openblas32.get_lib_dir()
-    try:
-        name = scipy_openblas32.get_library(fullname=True)
-    except Exception:
-        name = None
-    candidates = [os.path.join(lib_dir, name)] if name else []
-    candidates += sorted(glob.glob(os.path.join(lib_dir, "libscipy_openblas*.so*")))
-    for path in candidates:
-        if os.path.isfile(path):
-            return path
-    return None
+    return _sibling("blas_libs").scipy_openblas32()
+
+
+def _numpy_path() -> tuple[str | None, str]:
+    """``(path, "")`` of NumPy's bundled ILP64 OpenBLAS, or ``(None, why not)``."""
+    return _sibling("blas_libs").numpy_openblas()
 
 
 def _cache_dir() -> str:
@@ -121,15 +159,18 @@ def _find_compiler() -> str | None:
 
 def _compile_shim() -> tuple[str | None, str]:
     """Compile the shim into the user cache dir. Returns (path, error)."""
-    if not os.path.isfile(_SHIM_SOURCE):
-        return None, f"shim source {_SHIM_SOURCE} not found"
-    with open(_SHIM_SOURCE, "rb") as f:
-        src = f.read()
+    missing = [p for p in _SHIM_SOURCES + _SHIM_HEADERS if not os.path.isfile(p)]
+    if missing:
+        return None, f"shim source {missing[0]} not found"
+    digest = hashlib.sha256()
+    for path in _SHIM_SOURCES + _SHIM_HEADERS:
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
     import platform
 
-    tag = hashlib.sha256(src + platform.machine().encode()).hexdigest()[:16]
+    digest.update(platform.machine().encode())
     out_dir = _cache_dir()
-    out = os.path.join(out_dir, f"cblas_shim-{tag}.so")
+    out = os.path.join(out_dir, f"cblas_shim-{digest.hexdigest()[:16]}.so")
     if os.path.isfile(out):
         return out, ""
     cc = _find_compiler()
@@ -139,7 +180,7 @@ def _compile_shim() -> tuple[str | None, str]:
         os.makedirs(out_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, _SHIM_SOURCE, "-ldl"]
+        cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, *_SHIM_SOURCES, "-ldl", "-lpthread", "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             os.unlink(tmp)
@@ -156,39 +197,82 @@ def _shim_path() -> tuple[str | None, str]:
     if override:
         return (override, "") if os.path.isfile(override) else (None, f"METALNN_BLAS_SHIM={override} does not exist")
     built = sorted(glob.glob(os.path.join(_HERE, _SHIM_EXT_GLOB)))
-    if built:
+    if built and _shim_version(built[0]) >= _SHIM_MIN_VERSION:
         return built[0], ""
-    return _compile_shim()
+    # An older build (or none) next to this file: the cache's, compiled from the sources here.
+    path, err = _compile_shim()
+    if path is None and built:
+        return built[0], ""  # better an older shim (LP64 only, no thread governor) than none
+    return path, err
 
 
-def _load(openblas: str, shim: str) -> str:
-    """Load OpenBLAS and the shim into the global scope. Returns '' or an error."""
-    blas = ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)
-    _handles.append(blas)
-    # Load the shim locally first: it only enters the global scope (where libmlx.so
-    # will find it) after every forwarding target resolved.
-    lib = ctypes.CDLL(shim, mode=ctypes.RTLD_LOCAL)
-    _handles.append(lib)
+def _shim_version(path: str) -> int:
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        return int(lib.metalnn_shim_version())
+    except (OSError, AttributeError):
+        return 0
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.metalnn_shim_init.argtypes = [ctypes.c_void_p]
     lib.metalnn_shim_init.restype = ctypes.c_int
     lib.metalnn_shim_symbol.argtypes = [ctypes.c_int]
     lib.metalnn_shim_symbol.restype = ctypes.c_char_p
     lib.metalnn_shim_is_resolved.argtypes = [ctypes.c_int]
     lib.metalnn_shim_is_resolved.restype = ctypes.c_int
+    lib.metalnn_shim_provider.argtypes = [ctypes.c_char_p]
+    lib.metalnn_shim_provider.restype = ctypes.c_char_p
+    if hasattr(lib, "metalnn_shim_init_ilp64"):
+        lib.metalnn_shim_init_ilp64.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.metalnn_shim_init_ilp64.restype = ctypes.c_int
+        lib.metalnn_shim_library.argtypes = []
+        lib.metalnn_shim_library.restype = ctypes.c_char_p
+
+
+def _missing_names(lib: ctypes.CDLL) -> str:
+    """The names the library given to the last failed init lacks."""
+    count = lib.metalnn_shim_count()
+    return ", ".join(lib.metalnn_shim_symbol(i).decode() for i in range(count) if not lib.metalnn_shim_is_resolved(i))
+
+
+def _bind_numpy(library: str, lib: ctypes.CDLL) -> str:
+    """Point the shim at NumPy's ILP64 OpenBLAS. Returns '' or why not."""
+    global _names
+    if not hasattr(lib, "metalnn_shim_init_ilp64"):
+        return "the cblas shim predates ILP64 forwarding (rebuild it: pip install .)"
+    # Loaded locally, as NumPy loads it: the same file is one library, whoever loads it first.
+    blas = ctypes.CDLL(library, mode=ctypes.RTLD_LOCAL)
+    _handles.append(blas)
+    for prefix in ("scipy_", ""):  # NumPy >= 2 / NumPy 1.x names
+        missing = lib.metalnn_shim_init_ilp64(blas._handle, prefix.encode())
+        if missing == 0:
+            _names = (prefix, "64_")
+            return ""
+        if missing < 0:
+            return "the shim has no forwarding trampolines for this CPU architecture"
+    return f"{library} lacks ILP64 symbols: {_missing_names(lib)}"
+
+
+def _bind_openblas32(library: str, lib: ctypes.CDLL) -> str:
+    """Point the shim at scipy-openblas32's LP64 OpenBLAS. Returns '' or why not."""
+    global _names
+    blas = ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+    _handles.append(blas)
     missing = lib.metalnn_shim_init(blas._handle)
     if missing < 0:
         return "the shim has no forwarding trampolines for this CPU architecture"
     if missing:
-        names = [
-            lib.metalnn_shim_symbol(i).decode()
-            for i in range(lib.metalnn_shim_count())
-            if not lib.metalnn_shim_is_resolved(i)
-        ]
-        return f"{openblas} lacks scipy_-prefixed symbols: {', '.join(names)}"
+        return f"{library} lacks scipy_-prefixed symbols: {_missing_names(lib)}"
+    _names = ("scipy_", "")
+    return ""
+
+
+def _promote(shim: str, lib: ctypes.CDLL) -> str:
+    """Put the shim into the global scope (where libmlx.so will find it). Returns '' or an
+    error."""
     _handles.append(ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD))
     # Check what a library loaded from now on binds `cblas_sgemm` to.
-    lib.metalnn_shim_provider.argtypes = [ctypes.c_char_p]
-    lib.metalnn_shim_provider.restype = ctypes.c_char_p
     provider = lib.metalnn_shim_provider(b"cblas_sgemm")
     provider = provider.decode() if provider else None
     if provider is None or os.path.realpath(provider) != os.path.realpath(shim):
@@ -199,7 +283,7 @@ def _load(openblas: str, shim: str) -> str:
 def _preload_hint(openblas: str | None, shim: str | None) -> str:
     if openblas and shim:
         return f"LD_PRELOAD={openblas}:{shim}"
-    return "LD_PRELOAD=<path of libscipy_openblas.so>:<path of metalnn's _cblas_shim .so>"
+    return "LD_PRELOAD=<path of NumPy's libscipy_openblas64_*.so>:<path of metalnn's _cblas_shim .so>"
 
 
 def setup(*, by: str = "import metalnn") -> dict:
@@ -215,6 +299,8 @@ def setup(*, by: str = "import metalnn") -> dict:
         _setup_locked()
         if _info["active"] and _info["loaded_by"] is None:
             _info["loaded_by"] = by
+        if _info["active"]:
+            _start_governor()
     return blas_info()
 
 
@@ -234,22 +320,22 @@ def _setup_locked() -> None:
     if not sys.platform.startswith("linux"):
         _info["reason"] = f"not needed on {sys.platform}"
         return
-    if _disabled_by_env():
+    choice = _choice()
+    if choice == "off":
         _info["reason"] = "disabled by METALNN_BLAS=off"
         return
-    preloaded = _preloaded_shim()
-    if preloaded:
-        # LD_PRELOAD=libscipy_openblas.so:<shim> (or an earlier load) already did it.
-        _info.update(active=True, shim=preloaded, reason=None, library=_openblas_path(), loaded_by="LD_PRELOAD")
+    if _preloaded_shim():
         return
-    openblas = _openblas_path()
+    numpy_lib, numpy_why = _numpy_path() if choice in ("auto", "numpy") else (None, f"METALNN_BLAS={choice}")
+    openblas32 = _openblas_path() if choice in ("auto", "scipy-openblas32") else None
     if _mlx_already_loaded():
         # Too late: libmlx.so already bound to its bundled reference BLAS. Report how
         # to fix it, without compiling anything.
         built = sorted(glob.glob(os.path.join(_HERE, _SHIM_EXT_GLOB)))
         built += sorted(glob.glob(os.path.join(_cache_dir(), "cblas_shim-*.so")))
         shim = built[0] if built else None
-        _info["library"] = openblas
+        library = numpy_lib or openblas32
+        _info["library"] = library
         _info["shim"] = shim
         why = _why_hook_did_not_run()
         _info["reason"] = f"mlx.core was imported before metalnn and {why}"
@@ -257,20 +343,25 @@ def _setup_locked() -> None:
             "late",
             f"metalnn: mlx.core was imported before metalnn and {why}; MLX keeps the slow "
             "reference BLAS bundled with mlx[cpu] (matmul/conv ~30x slower). Import metalnn "
-            f"before mlx, pip install metalnn, or set {_preload_hint(openblas, shim)}",
+            f"before mlx, pip install metalnn, or set {_preload_hint(library, shim)}",
         )
         return
-    if openblas is None:
-        _info["reason"] = "scipy-openblas32 is not installed"
+    if numpy_lib is None and openblas32 is None:
+        if choice == "numpy":
+            _info["reason"] = f"METALNN_BLAS=numpy, but {numpy_why}"
+            _warn_once("missing", f"metalnn: METALNN_BLAS=numpy, but {numpy_why}, so MLX uses its slow reference "
+                                  "BLAS (matmul/conv ~30x slower)")
+            return
+        _info["reason"] = f"{numpy_why} and scipy-openblas32 is not installed"
         _warn_once(
             "missing",
-            "metalnn: scipy-openblas32 is not installed, so MLX uses its slow reference BLAS "
+            f"metalnn: {numpy_why} and scipy-openblas32 is not installed, so MLX uses its slow reference BLAS "
             "(matmul/conv ~30x slower). Fix: pip install scipy-openblas32",
         )
         return
     shim, shim_err = _shim_path()
-    _info["library"] = openblas
     _info["shim"] = shim
+    _info["library"] = numpy_lib or openblas32
     if shim is None:
         _info["reason"] = f"metalnn's cblas shim is not built and {shim_err}"
         _warn_once(
@@ -281,10 +372,7 @@ def _setup_locked() -> None:
             "cc/gcc so metalnn can build it into ~/.cache/metalnn.",
         )
         return
-    try:
-        err = _load(openblas, shim)
-    except OSError as exc:
-        err = f"loading failed: {exc}"
+    err = _load(shim, numpy_lib, numpy_why, openblas32)
     if err:
         _info["reason"] = err
         _warn_once("loadfail", f"metalnn: could not give MLX an optimized BLAS: {err}")
@@ -293,19 +381,113 @@ def _setup_locked() -> None:
     _info["reason"] = None
 
 
-def _preloaded_shim() -> str | None:
-    """Path of a shim that already serves ``cblas_sgemm`` in the global scope (e.g.
-    through LD_PRELOAD), else None."""
+def _load(shim: str, numpy_lib: str | None, numpy_why: str, openblas32: str | None) -> str:
+    """Load the shim, bind it to NumPy's library (else scipy-openblas32's) and promote it.
+    Returns '' or an error."""
+    global _shim_lib
+    try:
+        # Loaded locally first: it only enters the global scope (where libmlx.so will find
+        # it) after every forwarding target resolved.
+        lib = ctypes.CDLL(shim, mode=ctypes.RTLD_LOCAL)
+        _handles.append(lib)
+        _declare(lib)
+        err = _bind_numpy(numpy_lib, lib) if numpy_lib else numpy_why
+        if not err:
+            _info.update(library=numpy_lib, interface="ILP64", shared_with_numpy=True, numpy_library_reason=None)
+        elif openblas32 is None:
+            return err
+        else:
+            _info["numpy_library_reason"] = err
+            err = _bind_openblas32(openblas32, lib)
+            if err:
+                return err
+            _info.update(library=openblas32, interface="LP64", shared_with_numpy=False)
+        err = _promote(shim, lib)
+    except OSError as exc:
+        return f"loading failed: {exc}"
+    if not err:
+        _shim_lib = lib
+    return err
+
+
+def _preloaded_shim() -> bool:
+    """Record a shim that already serves ``cblas_sgemm`` in the global scope (through
+    LD_PRELOAD, or an earlier load); False when there is none."""
+    global _shim_lib, _names
     try:
         fn = ctypes.CDLL(None).metalnn_shim_provider
     except (AttributeError, OSError):
-        return None
+        return False
     fn.argtypes = [ctypes.c_char_p]
     fn.restype = ctypes.c_char_p
     me, provider = fn(b"metalnn_shim_provider"), fn(b"cblas_sgemm")
-    if me and provider and os.path.realpath(me) == os.path.realpath(provider):
-        return provider.decode()
+    if not (me and provider and os.path.realpath(me) == os.path.realpath(provider)):
+        return False
+    shim = provider.decode()
+    library, interface = _openblas_path(), "LP64"
+    try:
+        lib = ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        _declare(lib)
+        _shim_lib = lib
+        if hasattr(lib, "metalnn_shim_library"):
+            found = lib.metalnn_shim_library()
+            library = found.decode() if found else library
+            if lib.metalnn_shim_interface() == 64:
+                interface = "ILP64"
+    except OSError:
+        pass
+    libs = _sibling("blas_libs")
+    numpy_lib, _ = libs.numpy_openblas()
+    shared = bool(library and numpy_lib and os.path.realpath(library) == os.path.realpath(numpy_lib))
+    _names = ("scipy_", "64_" if interface == "ILP64" else "")
+    _info.update(active=True, shim=shim, reason=None, library=library, loaded_by="LD_PRELOAD", interface=interface,
+                 shared_with_numpy=shared)
+    return True
+
+
+def _start_governor() -> None:
+    """Turn on the shim's thread governor as METALNN_BLAS_THREADS says."""
+    threads = _sibling("blas_threads")
+    setting = threads.read_setting()
+    if setting.error:
+        _warn_once("threads", f"metalnn: {setting.error}; using auto")
+    if _shim_lib is None:
+        _info["threads_reason"] = "no metalnn shim is loaded"
+        return
+    _info["threads_reason"] = threads.configure(_shim_lib, _library_int("openblas_get_num_threads"), setting)
+
+
+def _openblas_fn_in(library: str, base: str):
+    """OpenBLAS's function ``base`` (e.g. ``openblas_get_config``) in the already loaded
+    ``library``, under the names that library uses, or None."""
+    try:
+        # RTLD_NOLOAD: only look at the library if it is already loaded (and leave its scope).
+        blas = ctypes.CDLL(library, mode=ctypes.RTLD_LOCAL | os.RTLD_NOLOAD)
+    except OSError:
+        return None
+    prefix, suffix = _names
+    for name in (f"{prefix}{base}{suffix}", f"scipy_{base}", f"scipy_{base}64_", f"{base}64_"):
+        fn = getattr(blas, name, None)
+        if fn is not None:
+            return fn
     return None
+
+
+def _library_str(base: str) -> str | None:
+    fn = _openblas_fn_in(_info["library"], base) if _info["library"] else None
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    out = fn()
+    return out.decode() if out else None
+
+
+def _library_int(base: str) -> int | None:
+    fn = _openblas_fn_in(_info["library"], base) if _info["library"] else None
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    return int(fn())
 
 
 def blas_info() -> dict:
@@ -313,28 +495,23 @@ def blas_info() -> dict:
 
     Keys: ``active`` (bool: MLX's cblas/LAPACK calls go to OpenBLAS), ``loaded_by``
     (``"import metalnn"``, ``"startup hook"`` or ``"LD_PRELOAD"`` when active), ``library``
-    (path of the OpenBLAS library, or None), ``shim`` (path of the forwarding shim, or
-    None), ``reason`` (why not active, or None), ``config`` (OpenBLAS build string),
-    ``core`` (CPU kernel set OpenBLAS picked, e.g. ``Haswell``; honours OPENBLAS_CORETYPE)
-    and ``num_threads`` (OpenBLAS threads; honours OPENBLAS_NUM_THREADS) when active.
+    (path of the OpenBLAS library, or None), ``interface`` (``"ILP64"``: NumPy's library,
+    ``"LP64"``: scipy-openblas32's), ``shared_with_numpy`` (bool: NumPy's own library, so one
+    thread pool serves both), ``numpy_library_reason`` (why NumPy's library was not used, or
+    None), ``shim`` (path of the forwarding shim, or None), ``reason`` (why not active, or
+    None), ``config`` (OpenBLAS build string), ``core`` (CPU kernel set OpenBLAS picked, e.g.
+    ``Haswell``; honours OPENBLAS_CORETYPE), ``num_threads`` (OpenBLAS threads now) and
+    ``threads`` (the thread governor: ``adaptive``, ``cap``, ``cpus``, ``busy_elsewhere``,
+    ``chosen``; see `metalnn.cpu.blas_threads`) with ``threads_reason`` (why it is off, or
+    None).
     """
     info = dict(_info)
     info["config"] = None
     info["core"] = None
     info["num_threads"] = None
+    info["threads"] = _sibling("blas_threads").state(_shim_lib) if info["active"] else None
     if info["active"] and info["library"]:
-        try:
-            # RTLD_NOLOAD: only look at the library if it is already loaded.
-            blas = ctypes.CDLL(info["library"], mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
-            fn = blas.scipy_openblas_get_config
-            fn.restype = ctypes.c_char_p
-            info["config"] = fn().decode()
-            core = blas.scipy_openblas_get_corename
-            core.restype = ctypes.c_char_p
-            info["core"] = core().decode()
-            nt = blas.scipy_openblas_get_num_threads
-            nt.restype = ctypes.c_int
-            info["num_threads"] = int(nt())
-        except (OSError, AttributeError):
-            pass
+        info["config"] = _library_str("openblas_get_config")
+        info["core"] = _library_str("openblas_get_corename")
+        info["num_threads"] = _library_int("openblas_get_num_threads")
     return info

@@ -1,5 +1,5 @@
-"""Tests for metalnn.cpu.blas and its startup hook: MLX bound to scipy-openblas32 through the
-cblas shim, whatever the process imports first.
+"""Tests for metalnn.cpu.blas and its startup hook: MLX bound to OpenBLAS (NumPy's own, else
+scipy-openblas32's) through the cblas shim, whatever the process imports first.
 
 Everything that depends on import order runs in a fresh subprocess, because whether
 MLX got the optimized BLAS is decided once per process, when libmlx.so loads (and other
@@ -409,8 +409,10 @@ def test_fallback_compiles_shim_into_cache(tmp_path):
     assert shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"), "no C compiler on PATH"
     pkg = tmp_path / "pkg"
     (pkg / "native").mkdir(parents=True)
-    shutil.copy(BLAS_PY, pkg / "blas.py")
-    shutil.copy(SHIM_C, pkg / "native" / "cblas_shim.c")
+    for name in ("blas.py", "blas_libs.py", "blas_threads.py"):  # blas.py loads its siblings by path
+        shutil.copy(os.path.join(os.path.dirname(BLAS_PY), name), pkg / name)
+    for src in glob.glob(os.path.join(os.path.dirname(SHIM_C), "*.[ch]")):  # the shim's sources
+        shutil.copy(src, pkg / "native" / os.path.basename(src))
     cache = tmp_path / "cache"
     code = (
         NO_SITE_PRELUDE
@@ -558,7 +560,7 @@ import mlx.core as mx
 
 info = _blas.blas_info()
 rng = np.random.default_rng(0)
-res = {"active": info["active"]}
+res = {"active": info["active"], "interface": info["interface"]}
 
 def rel(got, want):
     got = np.asarray(got, dtype=np.float64); want = np.asarray(want, dtype=np.float64)
@@ -567,6 +569,9 @@ def rel(got, want):
 
 def r(*shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
+
+def as_mx(A):  # keeps float64 (mx.array makes float32 of it by default)
+    return mx.array(A, dtype=mx.float64) if A.dtype == np.float64 else mx.array(A)
 
 # float32 GEMM: shapes and transposes (MLX passes transposed views straight to sgemm)
 for (m, k, n) in [(1, 1, 1), (7, 5, 3), (64, 64, 64), (67, 129, 33), (1, 300, 257), (257, 300, 1), (513, 200, 130)]:
@@ -598,7 +603,7 @@ for name, dt in [("float16", mx.float16), ("bfloat16", mx.bfloat16)]:
     res[name] = rel(out.astype(mx.float32), Ar @ Br)
 # float64 and complex64 (dgemm / cgemm)
 A64, B64 = r(40, 50, dtype=np.float64), r(50, 30, dtype=np.float64)
-res["float64"] = rel(mx.array(A64) @ mx.array(B64), A64 @ B64)
+res["float64"] = rel(as_mx(A64) @ as_mx(B64), A64 @ B64)
 C = (r(30, 30) + 1j * r(30, 30)).astype(np.complex64)
 got = np.array(mx.array(C) @ mx.array(C))
 res["complex64"] = float(np.max(np.abs(got - C @ C)) / np.max(np.abs(C @ C)))
@@ -619,6 +624,44 @@ res["svd"] = rel(mx.linalg.svd(mx.array(S), compute_uv=False, stream=cpu), np.li
 q, rr = mx.linalg.qr(mx.array(S), stream=cpu)
 res["qr"] = rel(q @ rr, S)
 res["eigvalsh"] = rel(mx.linalg.eigvalsh(mx.array(SPD), stream=cpu), np.linalg.eigvalsh(SPD))
+# the rest of the LAPACK routines libmlx.so imports (getrf pivots, gesdd/syevd/heevd integer
+# workspaces, geev, trtri), in each precision it has
+def lu_check(A):
+    lu, piv = mx.linalg.lu_factor(as_mx(A), stream=cpu)
+    lu, piv = np.array(lu).astype(np.float64), np.array(piv)
+    L, U = np.tril(lu, -1) + np.eye(len(A)), np.triu(lu)
+    PA = A.astype(np.float64).copy()
+    for i, p in enumerate(piv):  # LAPACK's row interchanges, in order
+        PA[[i, p]] = PA[[p, i]]
+    return rel(L @ U, PA)
+def sorted_eig(w):
+    w = np.asarray(w).astype(np.complex128)
+    return w[np.lexsort((np.round(w.imag, 4), np.round(w.real, 4)))]
+def svd_check(A):
+    u, s_, vt = mx.linalg.svd(as_mx(A), stream=cpu)
+    u, s_, vt = np.array(u), np.array(s_), np.array(vt)
+    k = len(s_)
+    return max(rel((u[:, :k] * s_) @ vt[:k], A), rel(s_, np.linalg.svd(A, compute_uv=False)))
+for name, dt in [("f32", np.float32), ("f64", np.float64)]:
+    A = r(30, 30, dtype=dt)
+    assert as_mx(A).dtype == (mx.float64 if dt == np.float64 else mx.float32)
+    P = A @ A.T + 30 * np.eye(30, dtype=dt)
+    T = np.triu(A) + 30 * np.eye(30, dtype=dt)
+    res[f"lu_{name}"] = lu_check(A)
+    res[f"inv_{name}"] = rel(mx.linalg.inv(as_mx(A), stream=cpu), np.linalg.inv(A))
+    res[f"svd_{name}"] = svd_check(A[:, :20])
+    res[f"eigh_{name}"] = rel(mx.linalg.eigvalsh(as_mx(P), stream=cpu), np.linalg.eigvalsh(P))
+    res[f"eig_{name}"] = rel(sorted_eig(mx.linalg.eigvals(as_mx(A), stream=cpu)), sorted_eig(np.linalg.eigvals(A)))
+    res[f"tri_inv_{name}"] = rel(mx.linalg.tri_inv(as_mx(T), upper=True, stream=cpu), np.linalg.inv(T))
+    res[f"cholesky_{name}"] = rel(mx.linalg.cholesky(as_mx(P), stream=cpu), np.linalg.cholesky(P))
+    q, rr = mx.linalg.qr(as_mx(A), stream=cpu)
+    res[f"qr_{name}"] = rel(q @ rr, A)
+Z = (r(24, 24) + 1j * r(24, 24)).astype(np.complex64)
+Hz = Z @ Z.conj().T + 24 * np.eye(24, dtype=np.complex64)
+res["eigh_c64"] = rel(mx.linalg.eigvalsh(mx.array(Hz), stream=cpu), np.linalg.eigvalsh(Hz))
+res["eig_c64"] = float(np.max(np.abs(sorted_eig(mx.linalg.eigvals(mx.array(Z), stream=cpu))
+                                     - sorted_eig(np.linalg.eigvals(Z)))) / np.max(np.abs(np.linalg.eigvals(Z))))
+res["svd_c64"] = rel(mx.linalg.svd(mx.array(Z), compute_uv=False, stream=cpu), np.linalg.svd(Z, compute_uv=False))
 # concurrent sgemm calls from two MLX CPU streams (OpenBLAS thread safety)
 M = r(256, 256)
 s1, s2 = mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)
@@ -628,21 +671,30 @@ res["two_streams"] = max(rel(o, M @ M) for o in outs)
 print(json.dumps(res))
 """
 
-TOL = {"float16": 2e-3, "bfloat16": 1e-2}
+TOL = {"float16": 2e-3, "bfloat16": 1e-2, "eig_f32": 1e-4, "eig_c64": 1e-4}
 
 
-def _check_correctness(env=None):
+def _check_correctness(env=None, want_interface=None):
     res = last_json(run_py(CORRECTNESS, env=env))
-    active = res.pop("active")
+    active, interface = res.pop("active"), res.pop("interface")
     bad = {k: v for k, v in res.items() if not v <= TOL.get(k, 1e-5)}
     assert not bad, f"MLX results differ from NumPy (relative max error): {bad}"
+    if want_interface is not None:
+        assert interface == want_interface, (interface, want_interface)
     return active
 
 
 def test_matmul_correct_with_shim():
-    active = _check_correctness()
+    """The default: MLX forwarded to NumPy's own (ILP64) OpenBLAS."""
+    active = _check_correctness(want_interface="ILP64" if LINUX_X86_64 else None)
     if LINUX_X86_64:
         assert active, "expected the OpenBLAS shim to be active on Linux x86_64"
+
+
+@needs_shim
+def test_matmul_correct_with_scipy_openblas32():
+    """MLX on scipy-openblas32's LP64 OpenBLAS (used where NumPy's library is missing)."""
+    assert _check_correctness(env={"METALNN_BLAS": "scipy-openblas32"}, want_interface="LP64") is True
 
 
 @pytest.mark.skipif(not LINUX, reason="Linux only")
