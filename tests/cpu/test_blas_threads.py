@@ -104,7 +104,10 @@ PRODUCTS = PIN + textwrap.dedent(
     for _ in range(3):
         time.sleep(0.6)
         mx.eval(a @ a)
-    print(json.dumps({"first": first, "last": blas.blas_info()}))
+    from metalnn.cpu import native_ext
+    ext = native_ext.extension()
+    native = None if ext is None else [ext.get_num_threads(), ext.free_num_threads()]
+    print(json.dumps({"first": first, "last": blas.blas_info(), "native": native}))
     """
 )
 
@@ -149,6 +152,9 @@ def test_every_core_busy_leaves_one_thread(policy, library):
     assert gov["busy_elsewhere"] >= CPUS - 0.5, gov
     assert gov["chosen"] == policy(gov["cpus"], gov["busy_elsewhere"], gov["cap"]) == 1, gov
     assert last["num_threads"] == 1, last
+    # metalnn's own native loops follow the same measurement (one thread, whatever their cap)
+    if out["native"] is not None:
+        assert out["native"][1] == 1, out["native"]
 
 
 @needs_shim
@@ -158,6 +164,8 @@ def test_fixed_setting_leaves_the_count_alone():
     first, last = out["first"], out["last"]
     assert last["threads"]["adaptive"] is False and last["threads_reason"] == "METALNN_BLAS_THREADS=fixed", last
     assert last["num_threads"] == first["num_threads"] >= 1
+    if out["native"] is not None:  # and the native loops keep their cap
+        assert out["native"][1] == out["native"][0], out["native"]
 
 
 @needs_shim

@@ -49,6 +49,7 @@ static atomic_int gov_enabled;       /* 0: leave OpenBLAS's count alone */
 static atomic_int gov_cap = 1;       /* most threads */
 static atomic_int gov_last_set;      /* what the governor last set (0: nothing yet) */
 static atomic_ullong gov_next_ns;    /* earliest time of the next look */
+static atomic_int gov_free;          /* cores - round(busy elsewhere) of the last window (0: none yet) */
 static pthread_mutex_t gov_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* The last window (read under gov_lock by metalnn_blas_governor_state). */
@@ -152,6 +153,7 @@ static void measure_and_set(unsigned long long now) {
             cap = current; /* set by someone else since: that is the new most */
             atomic_store(&gov_cap, cap);
         }
+        atomic_store(&gov_free, metalnn_blas_threads_policy(cpus, last_busy_elsewhere, cpus));
         int n = metalnn_blas_threads_policy(cpus, last_busy_elsewhere, cap);
         if (n != current && gov_set) gov_set(n);
         atomic_store(&gov_last_set, n);
@@ -205,6 +207,19 @@ METALNN_EXPORT int metalnn_blas_governor_configure(int cap) {
     }
     pthread_mutex_unlock(&gov_lock);
     return ok ? 0 : -1;
+}
+
+/* The threads metalnn's own native thread pool may use, at most cap: the cores other processes
+ * left free in the governor's last window (ticking the governor, as a BLAS call does); cap while
+ * the governor is off or has no complete window yet. The pool looks it up by name (dlsym), so it
+ * follows the same measurements as OpenBLAS without a second copy of them. */
+METALNN_EXPORT int metalnn_free_threads(int cap) {
+    if (cap < 1) cap = 1;
+    if (!atomic_load_explicit(&gov_enabled, memory_order_relaxed)) return cap;
+    metalnn_governor_tick();
+    int n = atomic_load_explicit(&gov_free, memory_order_relaxed);
+    if (n < 1) return cap;
+    return n < cap ? n : cap;
 }
 
 /* The governor's state: whether it is on, its cap, the CPUs and the busy cores elsewhere of

@@ -419,4 +419,9 @@ void register_im2col(nb::module_& m) {
       nb::arg("n"),
       "Threads (the calling one included) the native CPU primitives may use.");
   m.def("get_num_threads", []() { return metalnn_native::get_num_threads(); });
+  m.def(
+      "free_num_threads",
+      []() { return metalnn_native::free_threads(metalnn_native::get_num_threads()); },
+      "Threads a native loop starting now would use: get_num_threads(), fewer while other processes keep "
+      "cores busy (the BLAS shim's thread governor).");
 }

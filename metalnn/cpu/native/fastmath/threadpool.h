@@ -9,6 +9,10 @@
 // * The pool starts lazily with hardware_concurrency() - 1 workers (at most
 //   15); METALNN_NUM_THREADS=<k> caps the total (caller included) at k, and
 //   set_num_threads() changes it at run time.
+// * Within that cap a loop uses the cores other processes leave free, as
+//   measured by the thread governor of metalnn's BLAS shim (metalnn/cpu/native/
+//   blas_threads.c, found by name when the shim is loaded; otherwise the cap):
+//   a worker whose core another process holds would hold up the whole loop.
 // * One parallel_for at a time: a second caller (another MLX stream) that finds
 //   the pool busy runs its loop on its own thread instead of waiting.
 // * A process forked after the pool started would make a fresh pool (threads do
@@ -22,6 +26,7 @@
 
 #pragma once
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -221,6 +226,13 @@ inline int get_num_threads() {
   return num_threads_setting().load();
 }
 
+// At most `cap` threads, fewer when other processes keep cores busy (see the file comment).
+inline int free_threads(int cap) {
+  using Governor = int (*)(int);
+  static const Governor governor = reinterpret_cast<Governor>(dlsym(RTLD_DEFAULT, "metalnn_free_threads"));
+  return governor != nullptr ? governor(cap) : cap;
+}
+
 inline void set_num_threads(int n) {
   num_threads_setting().store(std::max(1, std::min(n, 16)));
 }
@@ -244,7 +256,7 @@ inline ThreadPool& pool() {
 // when the work is small (n < 2 * grain) or one thread is requested.
 inline void parallel_for(size_t n, size_t grain, const ThreadPool::Range& f) {
   if (n == 0) return;
-  const int threads = get_num_threads();
+  const int threads = free_threads(get_num_threads());
   if (threads <= 1 || n < 2 * std::max<size_t>(grain, 1)) {
     f(0, n);
     return;
