@@ -124,7 +124,8 @@ def make_files(out: Path = DEFAULT_OUT, types=("Q8_0", "Q4_K_M"), keep_hf: bool 
     out.mkdir(parents=True, exist_ok=True)
     files = {t: out / f"llama1b.{t}.gguf" for t in types}
     if all(p.exists() for p in files.values()):
-        return files
+        f16 = out / "llama1b.F16.gguf"
+        return {"F16": f16, **files} if f16.exists() else files
     free = shutil.disk_usage(out).free
     if free < 8 << 30:
         sys.exit(f"{out}: {free / 2**30:.1f} GiB free; making the files takes up to 8 GiB")
