@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from ...errors import UnsupportedConfigError, WeightLoadError
 from ...quantization import config_from_settings
 from .reader import GGUFHeader, read_header
@@ -191,19 +193,28 @@ class Converter:
         """``{GGUF name: array}`` -> ``{Hugging Face name: array}``: renamed by the tables, each tensor
         through `transform`; unmapped tensors keep their GGUF name (a strict load reports them).
 
+        ``arrays`` is consumed (emptied): a tensor `transform` replaces is computed at once and the
+        file's version released, so at most one tensor's copy exists beyond the weights at any time.
+
         Raises:
             WeightLoadError: every tensor `transform` found misshaped.
         """
         tensors, bad = {}, {}
-        for name, a in arrays.items():
+        for name in list(arrays):
+            a = arrays.pop(name)
             new = self.hf_name(name)
             if new is None:
                 tensors[name] = a
                 continue
             try:
-                tensors[new] = self.transform(new, a, config)
+                out = self.transform(new, a, config)
             except Misfit as e:
                 bad[new] = (e.expected, str(tuple(a.shape)))
+                continue
+            if out is not a:
+                mx.eval(out)
+            tensors[new] = out
+            del a, out
         if bad:
             raise WeightLoadError(mismatched=bad, source=str(self.header.path))
         return tensors

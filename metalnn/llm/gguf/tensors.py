@@ -18,9 +18,16 @@ by powers of two), for `metalnn.layers.QuantizedLinear`; the other block types a
 
 Tensor shapes are row-major (``[rows, cols]``); a quantized tensor of more than two dims (stacked
 experts) keeps its leading dims.
+
+Memory: the file is never mapped, and a tensor kept as stored (floats, GGML blocks) is read straight
+into its MLX array's own buffer (MLX's CPU arrays are host memory, writable through the buffer
+protocol), so reading a file allocates its tensors' bytes once, and nothing else of their size.
+Only the regroupable block types go through a NumPy copy of one tensor at a time.
 """
 
 from __future__ import annotations
+
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -84,48 +91,91 @@ def read_tensors(header: GGUFHeader, regroupable: bool = False):
 
     Raises `WeightLoadError` naming the file and the tensor for a type metalnn cannot run (I8 ...
     F64, Q8_1, Q8_K: types llama.cpp never writes into model files) or a tensor whose rows are not
-    whole blocks.
+    whole blocks, and naming the file when it ends inside a tensor's data (it shrank since its header
+    was read). Nothing read is kept when it raises.
     """
     path = header.path
     arrays, packed, bad = {}, {}, []
     with open(path, "rb") as f:
         for info in header.tensors.values():
-            raw = np.empty(info.nbytes, dtype=np.uint8)   # one tensor's bytes at a time, no mapping
-            f.seek(info.offset)
-            if f.readinto(memoryview(raw)) != info.nbytes:   # the file shrank since its header was read
-                raise WeightLoadError(source=str(path), message=f"{path}: {info.name}: the file ends inside its data")
             try:
-                _read_one(info, raw, arrays, packed, regroupable)
+                _read_one(f, info, arrays, packed, regroupable)
             except (KeyError, ValueError, OverflowError) as e:
                 reason = e.args[0] if isinstance(e, KeyError) and e.args else e
                 bad.append(f"{info.name} ({info.type} {list(info.shape)}: {reason})")
+            except EOFError:
+                raise WeightLoadError(source=str(path), message=(
+                    f"{path}: {info.name}: the file ends inside its data")) from None
     if bad:
         raise WeightLoadError(source=str(path), message=(
             f"{path}: {len(bad)} tensor(s) cannot be read: {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"))
     return arrays, packed
 
 
-def _read_one(info, raw, arrays, packed, regroupable):
+def _read_into(f, offset: int, buffer) -> None:
+    """Fill the writable ``buffer`` with the file's bytes from ``offset``; EOFError when the file ends
+    first."""
+    view = memoryview(buffer).cast("B")
+    try:
+        f.seek(offset)
+        done = 0
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise EOFError
+            done += got
+    finally:
+        view.release()
+
+
+def read_array(f, offset: int, shape: tuple, dtype) -> mx.array:
+    """A new MLX array of ``shape`` and ``dtype`` holding the file's bytes from ``offset``, read into the
+    array's own buffer (as a NumPy view of an MLX array shares its memory): the only copy of them made.
+    EOFError when the file ends first."""
+    arr = mx.zeros(shape, dtype=dtype)
+    mx.eval(arr)
+    if arr.nbytes:
+        _read_into(f, offset, arr)
+    return arr
+
+
+def _read_numpy(f, info) -> np.ndarray:
+    """The tensor's bytes as a NumPy ``uint8`` array (for the conversions done in NumPy)."""
+    raw = np.empty(info.nbytes, dtype=np.uint8)
+    if info.nbytes:
+        _read_into(f, info.offset, raw)
+    return raw
+
+
+def _check_shape(shape: tuple, row_bytes: int, nbytes: int):
+    """ValueError unless ``shape``'s rows of ``row_bytes`` are the header's ``nbytes`` (the header's count
+    is an int64 product, which a corrupt file can overflow) and every dim fits MLX's (int32) shapes."""
+    if any(d >= 2**31 for d in shape):
+        raise ValueError("a dim of 2**31 or more")
+    if math.prod(shape[:-1]) * row_bytes != nbytes:
+        raise ValueError(f"its shape is not its {nbytes} bytes")
+
+
+def _read_one(f, info, arrays, packed, regroupable):
     name, shape = info.name, tuple(info.shape)
     if info.type in FLOATS:
-        np_dtype = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[info.type]
-        a = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
-        arr = mx.array(a)
-        arrays[name] = arr.view(mx.bfloat16) if info.type == "BF16" else arr
+        _check_shape(shape, (shape[-1] if shape else 1) * FLOATS[info.type].size, info.nbytes)
+        arrays[name] = read_array(f, info.offset, shape, FLOATS[info.type])
         return
     qtype = ggml.get_type(info.type)
     if not shape or shape[-1] % qtype.block_size:
         raise ValueError(f"rows of {shape[-1] if shape else 0} values are not whole {qtype.block_size}-value blocks")
     stem = name[:-len(".weight")] if name.endswith(".weight") else name
     row_bytes = qtype.row_bytes(shape[-1])
-    blocks = raw.reshape(*shape[:-1], row_bytes // qtype.type_size, qtype.type_size)
+    _check_shape(shape, row_bytes, info.nbytes)
     if info.type in AFFINE and regroupable:
+        blocks = _read_numpy(f, info).reshape(*shape[:-1], row_bytes // qtype.type_size, qtype.type_size)
         w, scales, biases = _affine(blocks, info.type)
         arrays[f"{stem}.weight"] = mx.array(w)
         arrays[f"{stem}.scales"] = mx.array(scales)
         arrays[f"{stem}.biases"] = mx.array(biases)
         return
-    data = mx.array(raw.reshape(*shape[:-1], row_bytes))
+    data = read_array(f, info.offset, (*shape[:-1], row_bytes), mx.uint8)
     if regroupable:
         arrays[name] = qtype.decode(data)
         return

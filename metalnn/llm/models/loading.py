@@ -99,6 +99,7 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
         provider = DictProvider(checkpoint.tensors, str(gguf_file))
         default_dtype = _gguf_float_dtype(checkpoint.header)
     else:
+        checkpoint = None
         config, source = read_config(path), path
         cls = model_class(config)
         model = _build(cls, config, source)
@@ -121,7 +122,11 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
         hint = " (the config's quantization does not fit these tensors)" if qconfig is not None and e.mismatched else ""
         raise WeightLoadError(e.missing, e.unexpected, e.mismatched, source=str(source),
                               message=f"{cls.architecture}: " + e.message + hint) from None
-    model.eos_token_ids = _checkpoint_eos(path, checkpoint.header if gguf_file is not None else None)
+    model.eos_token_ids = _checkpoint_eos(path, checkpoint.header if checkpoint is not None else None)
+    # The buffers freed while loading (a transformed tensor's file version, a cast's source) would stay
+    # in MLX's cache, resident, for as long as nothing of their size is allocated: they go back now.
+    provider = checkpoint = None
+    mx.clear_cache()
     return model.eval()
 
 

@@ -5,6 +5,8 @@ is kept byte for byte; read for a regrouping converter, the Q4_0 ... Q8_0 blocks
 layout whose values equal gguf-py's exactly (as numbers: a zero may come out +0 where ggml gives -0)
 and the other types float32 equal to gguf-py's."""
 
+import struct
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -103,3 +105,19 @@ def test_a_type_no_model_uses_is_refused_naming_file_and_tensor(tmp_path):
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(WeightLoadError, match=r"ints.gguf: 1 tensor\(s\) cannot be read: token_types.weight \(I32"):
         read_tensors(read_header(tmp_path / "ints.gguf"))
+
+
+def test_dims_whose_int64_product_overflows_are_refused_naming_the_tensor(tmp_path):
+    """Dims of 2**32 x 2**32 make the header's element count wrap to 0, which passes the size check
+    against the file; reading refuses the tensor instead of allocating an array of that shape."""
+    path = write_file(tmp_path / "huge.gguf", {"huge.weight": ("F32", 4, 4, np.zeros((4, 4), np.float32)),
+                                                "norm.weight": ("F32", 1, 4, np.ones(4, np.float32))})
+    data = bytearray(path.read_bytes())
+    at = data.find(b"huge.weight") + len(b"huge.weight")
+    assert struct.unpack_from("<I2Q", data, at) == (2, 4, 4)  # n_dims, dims
+    struct.pack_into("<2Q", data, at + 4, 2**32, 2**32)
+    path.write_bytes(bytes(data))
+    header = read_header(path)
+    assert header.tensors["huge.weight"].nbytes == 0
+    with pytest.raises(WeightLoadError, match=r"huge.gguf: 1 tensor\(s\) cannot be read: huge.weight \(F32"):
+        read_tensors(header)
