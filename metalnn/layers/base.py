@@ -124,6 +124,17 @@ def _guard(fn, hint, method: bool | None = None):
     return guarded
 
 
+# Counts assignments of parameters or sub-layers to any layer (see `parameter_epoch`).
+_PARAMETER_EPOCH = [0]
+
+
+def parameter_epoch() -> int:
+    """A number that changes whenever a parameter or sub-layer of any `Layer` is assigned (``layer.w =
+    ...``, ``Module.update``, ``load_weights``, adapters wrapping a projection), so that what is derived
+    from a model's parameters can be cached until they change."""
+    return _PARAMETER_EPOCH[0]
+
+
 class Layer(nn.Module):
     """Base class of metalnn layers.
 
@@ -165,6 +176,10 @@ class Layer(nn.Module):
         self._built_dims = None
         self._path = ""
         self.grad_checkpoint = False
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        _PARAMETER_EPOCH[0] += 1
 
     # -- builder API -------------------------------------------------------------------------
     @property

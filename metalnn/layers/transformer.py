@@ -12,7 +12,7 @@ import mlx.core as mx
 from .. import functional as F
 from ..data import Data
 from .attention import KVCache, SelfAttention
-from .base import Layer
+from .base import Layer, parameter_epoch
 from .dropout import Dropout
 from .ggml import GGMLLinear
 from .linear import Linear
@@ -134,7 +134,13 @@ class DecoderBlock(Layer):
         if not (self["input_layernorm"].built and self[self.mixer_name].built and self["post_attention_layernorm"].built
                 and self["mlp"].built):
             return None  # the first call builds them
-        plan = self._step_plan()
+        key = (parameter_epoch(), self.training)
+        cached = self.__dict__.get("_step_plan_cache")
+        if cached is not None and cached[0] == key:
+            plan = cached[1]
+        else:  # (kept outside the module's parameter tree)
+            plan = self._step_plan()
+            object.__setattr__(self, "_step_plan_cache", (key, plan))
         if plan is None:
             return None
         return F.decoder_block_step(data.array, plan, cache, device=device)

@@ -201,3 +201,20 @@ def test_single_step_matches_op_by_op_block_with_gelu_and_partial_interleaved_ro
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
     assert fused.offset == ref.offset == 5
     np.testing.assert_allclose(np.array(fused.state[0]), np.array(ref.state[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_new_weights_reach_the_fused_step(tmp_path):
+    # the block's plan is cached until a parameter is assigned: loading other weights must be seen
+    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    toks = np.random.default_rng(7).integers(0, BASE["vocab_size"], (1, 6))
+    before, _ = decode_logits(model, toks, 4)
+    attn = model.model.layers[1].self_attn
+    attn.q_proj.weight = attn.q_proj.weight * 1.5
+    model.update({"model": {"layers": [{}, {"mlp": {"down_proj": {"weight": -model.model.layers[1].mlp.down_proj.weight}}}]}})
+    got, names = decode_logits(model, toks, 4)
+    assert names.count("DecoderBlockStep") == 2
+    want, _ = decode_logits(model, toks, 4, device=mn.Device(kernels="reference"))
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
+    assert np.abs(got - before).max() > 0.1 * np.abs(before).max()
