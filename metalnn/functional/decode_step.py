@@ -12,7 +12,7 @@ dtypes, weight formats without a native product) this returns None and the block
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -61,6 +61,8 @@ class BlockStep:
     qk_gains: tuple | None
     qk_eps: float
     activation: str
+    #: what depends on the plan only, worked out at its first step (see `_prepared`)
+    prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 _INV_FREQ = {}
@@ -81,12 +83,10 @@ def _inv_freq(dims: int, base: float, freqs):
     return _INV_FREQ[key]
 
 
-def _runs_natively(x, step: BlockStep, keys, device) -> bool:
-    if device.kernels != "auto" or not on_cpu() or not native.available():
-        return False
-    if x.dtype != mx.float32 or x.ndim != 3 or x.shape[1] != 1 or step.activation not in _ACTIVATIONS:
-        return False
-    if keys is not None and keys.dtype != mx.float32:
+def _weights_run_natively(step: BlockStep) -> bool:
+    """Whether the native step takes the plan's parameters: float32 gains and biases, float32 or
+    natively supported GGML weights, a supported activation."""
+    if step.activation not in _ACTIVATIONS:
         return False
     arrays = [*step.gains, *(step.qk_gains or ())] + [b for _, _, b in step.projections if b is not None]
     if any(a.dtype != mx.float32 for a in arrays):
@@ -100,6 +100,31 @@ def _runs_natively(x, step: BlockStep, keys, device) -> bool:
     return True
 
 
+def _prepared(step: BlockStep) -> dict:
+    """The plan's native arguments, worked out once per plan (a plan lives until the block's
+    parameters change): ``ok`` (`_weights_run_natively`), the weight / type / bias lists, the
+    RoPE inverse frequencies and the score scale."""
+    p = step.prepared
+    if not p:
+        p["ok"] = _weights_run_natively(step)
+        p["weights"] = [w for w, _, _ in step.projections]
+        p["types"] = [t for _, t, _ in step.projections]
+        p["biases"] = [b for _, _, b in step.projections]
+        p["inv_freq"] = _inv_freq(step.rope_dims, step.rope_base, step.rope_freqs)
+        p["scale"] = step.attn_scale if step.attn_scale is not None else 1.0 / math.sqrt(step.head_dim)
+    return p
+
+
+def _runs_natively(x, step: BlockStep, keys, device) -> bool:
+    if device.kernels != "auto" or not on_cpu() or not native.available():
+        return False
+    if x.dtype != mx.float32 or x.ndim != 3 or x.shape[1] != 1:
+        return False
+    if keys is not None and keys.dtype != mx.float32:
+        return False
+    return _prepared(step)["ok"]
+
+
 def decoder_block_step(x, step: BlockStep, cache, device=None):
     """The block for ``x`` ``[B, 1, D]`` (one new position per sequence) with ``cache`` (a `KVCache`,
     appended to), as one fused native step; returns ``[B, 1, D]``, or None (nothing done, the cache
@@ -107,16 +132,12 @@ def decoder_block_step(x, step: BlockStep, cache, device=None):
     device = resolve(device)
     if not _runs_natively(x, step, cache.keys, device):
         return None
-    b = x.shape[0]
-    keys, values = cache.buffers_for(b, step.kv_heads, step.head_dim, 1, mx.float32)
-    rd = step.rope_dims
-    inv_freq = _inv_freq(rd, step.rope_base, step.rope_freqs)
-    scale = step.attn_scale if step.attn_scale is not None else 1.0 / math.sqrt(step.head_dim)
+    p = _prepared(step)
+    keys, values = cache.buffers_for(x.shape[0], step.kv_heads, step.head_dim, 1, mx.float32)
     out, keys, values = native.decoder_block_step(
-        x, step.gains, [w for w, _, _ in step.projections], [t for _, t, _ in step.projections],
-        [bias for _, _, bias in step.projections], keys, values, inv_freq, offset=cache.offset,
-        heads=step.heads, kv_heads=step.kv_heads, head_dim=step.head_dim, rope_dims=rd,
-        rope_traditional=step.rope_traditional, rope_scale=step.rope_scale, attn_scale=scale, eps=step.eps,
+        x, step.gains, p["weights"], p["types"], p["biases"], keys, values, p["inv_freq"], offset=cache.offset,
+        heads=step.heads, kv_heads=step.kv_heads, head_dim=step.head_dim, rope_dims=step.rope_dims,
+        rope_traditional=step.rope_traditional, rope_scale=step.rope_scale, attn_scale=p["scale"], eps=step.eps,
         qk_gains=step.qk_gains, qk_eps=step.qk_eps, window=step.window, activation=step.activation)
     cache.advance(keys, values, 1)
     return out
