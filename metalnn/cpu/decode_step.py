@@ -3,13 +3,12 @@
 ``decoder_block_step`` runs, for ``x`` ``[B, 1, D]`` (one new token of each of B sequences)::
 
     n1 = rms_norm(x) * gain1;   q, k, v = q_proj(n1), k_proj(n1), v_proj(n1)   (+ biases, q/k norms, RoPE)
-    keys[:, :, offset], values[:, :, offset] = k, v
-    h = x + o_proj(attention(q, keys[..., :offset + 1], values[..., :offset + 1]))
+    h = x + o_proj(attention(q, [keys[..., :offset, :], k], [values[..., :offset, :], v]))
     out = h + down_proj(act(gate_proj(n2)) * up_proj(n2)),   n2 = rms_norm(h) * gain2
 
-and returns ``(out, keys, values)``: the cache buffers ``[B, Hkv, capacity, head_dim]`` with
-position ``offset`` written (the same memory when MLX can donate it, i.e. nothing else holds the
-buffers). Built from separate MLX ops a block is ~40 graph nodes when decoding; here it is one,
+and returns ``(out, k, v)``: the new position's key and value ``[B, Hkv, 1, head_dim]``, for the
+caller to write into the cache buffers ``[B, Hkv, capacity, head_dim]`` (which the step only
+reads) at ``offset``. Built from separate MLX ops a block is ~40 graph nodes when decoding; here it is one,
 and the products that read the same input run as one multi-threaded pass (built from
 ``metalnn/cpu/native/fastmath/decode_step.cpp``). Weights: GGML block types (the kernels of
 `metalnn.cpu.ggml`) or float32 ``[N, K]``. Inference only (no gradient).
@@ -41,7 +40,7 @@ def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq,
                        kv_heads: int, head_dim: int, rope_dims: int, rope_traditional: bool, rope_scale: float,
                        attn_scale: float, eps: float, qk_gains=None, qk_eps: float = 1e-6, window: int | None = None,
                        activation: str = "silu", stream=None):
-    """The fused block step (see the module docstring); returns ``(out, keys, values)``.
+    """The fused block step (see the module docstring); returns ``(out, k, v)``.
 
     Args:
         x: float32 ``[B, 1, D]``.
@@ -50,7 +49,8 @@ def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq,
             (GGML block type) or float32 ``[N, K]``.
         types: each weight's GGUF type id, or -1 for a float32 weight.
         biases: each projection's float32 bias ``[N]`` or None.
-        keys, values: float32 cache buffers ``[B, kv_heads, capacity, head_dim]``, capacity > offset.
+        keys, values: float32 cache buffers ``[B, kv_heads, capacity, head_dim]`` (positions before
+            ``offset`` are read), capacity > offset.
         inv_freq: float32 ``[rope_dims / 2]`` RoPE inverse frequencies.
         offset: the new token's position (cached positions before it).
         qk_gains: ``(q_norm, k_norm)`` gains ``[head_dim]`` for per-head RMSNorm of queries and keys.

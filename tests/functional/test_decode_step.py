@@ -164,7 +164,7 @@ def test_bad_inputs_name_the_tensor():
     args = lambda ws, cap=4: (f32(1, 1, D), (f32(D), f32(D)), ws, [-1] * 7, [None] * 7,  # noqa: E731
                               f32(1, G, cap, hd), f32(1, G, cap, hd), f32(hd // 2))
     out, k, v = native.decoder_block_step(*args(weights), **kw)
-    assert out.shape == (1, 1, D) and k.shape == (1, G, 4, hd)
+    assert out.shape == (1, 1, D) and k.shape == v.shape == (1, G, 1, hd)
     bad = list(weights)
     bad[1] = f32(G * hd + 1, D)
     with pytest.raises(ValueError, match=r"k_proj must be float32 of shape \(16, 32\), got float32 of shape \(17, 32\)"):
@@ -218,3 +218,23 @@ def test_new_weights_reach_the_fused_step(tmp_path):
     want, _ = decode_logits(model, toks, 4, device=mn.Device(kernels="reference"))
     assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
     assert np.abs(got - before).max() > 0.1 * np.abs(before).max()
+
+
+def test_cache_is_written_in_place(tmp_path):
+    # the step only reads the cache; MLX's slice update then writes the new position into the same
+    # buffer (a copy of every layer's cache per token would cost O(context) a token)
+    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    buffers = set()
+    for t in range(6):
+        logits = model(mx.array([[4 + t]]), cache=cache)
+        assert "DecoderBlockStep" in node_names(logits)
+        mx.eval(logits)
+        view = np.array(cache[1].keys, copy=False)
+        buffers.add(view.__array_interface__["data"][0])
+        del view
+    assert len(buffers) == 1, buffers
+    assert cache[1].offset == 9

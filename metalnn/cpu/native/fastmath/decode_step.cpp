@@ -3,8 +3,8 @@
 //
 //   n1  = rms_norm(x) * g1
 //   q, k, v = q_proj(n1), k_proj(n1), v_proj(n1)   (+ biases; per-head RMSNorm of q and k; RoPE at `offset`)
-//   cache[:, :, offset] = k, v
-//   h   = x + o_proj(softmax(q . K / sqrt-scale) V)   (grouped-query heads, optional window)
+//   h   = x + o_proj(softmax(q . [K, k] * scale) [V, v])   (K, V: the cache's positions before `offset`;
+//                                                         grouped-query heads, optional window)
 //   n2  = rms_norm(h) * g2
 //   out = h + down_proj(act(gate_proj(n2)) * up_proj(n2))
 //
@@ -15,8 +15,11 @@
 //
 // Weights: packed in a GGML block type (the kernels of ggml_kernels.h, as GGMLMatmul runs them, so
 // the products equal the unfused ones) or float32 [N, K]. The KV cache buffers [B, Hkv, capacity,
-// head_dim] (float32) are outputs 1 and 2: the input buffers themselves when MLX can donate them
-// (the caller holds no other reference), else copies; only position `offset` is written.
+// head_dim] (float32) are only read; outputs 1 and 2 are the new position's key and value
+// [B, Hkv, 1, head_dim], which the caller writes into the cache with MLX's slice update. (That
+// update works in place: MLX hands a single-output op its input's buffer when nothing else holds
+// it. A multi-output primitive such as this one never gets that: each of its outputs keeps its
+// own reference to every input until it is evaluated.)
 // Inference only: the primitive has no gradient.
 
 #include "decode_step.h"
@@ -237,17 +240,14 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
     rope_heads(k.data(), M * G, sp, cs, sn);
   }
 
-  // the new keys and values into the cache: [B, Hkv, cap, hd]
-  float* kc = out[1].data<float>();
-  float* vc = out[2].data<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int g = 0; g < G; ++g) {
-      const int64_t dst = ((m * G + g) * cap + pos) * hd;
-      std::copy_n(k.data() + (m * G + g) * hd, hd, kc + dst);
-      std::copy_n(v.data() + (m * G + g) * hd, hd, vc + dst);
-    }
+  // the new position's key and value: [B, Hkv, 1, hd]
+  std::copy(k.begin(), k.end(), out[1].data<float>());
+  std::copy(v.begin(), v.end(), out[2].data<float>());
+  const float* kc = floats(kKCache);  // [B, Hkv, cap, hd]
+  const float* vc = floats(kVCache);
 
-  // attention over positions [start, pos], one (sequence, head) at a time
+  // attention over positions [start, pos] (the cached ones, then the new one), one (sequence,
+  // head) at a time
   const int64_t start = sp.window > 0 ? std::max<int64_t>(0, pos - sp.window + 1) : 0, len = pos - start + 1;
   const size_t head_grain = static_cast<size_t>(std::max<int64_t>(1, kGrainWork / std::max<int64_t>(2 * len * hd, 1)));
   metalnn_native::parallel_for(static_cast<size_t>(M * H), head_grain, [&](size_t a, size_t b) {
@@ -257,10 +257,15 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
       const float* qv = q.data() + (m * H + hh) * hd;
       const float* kb = kc + ((m * G + g) * cap + start) * hd;
       const float* vb = vc + ((m * G + g) * cap + start) * hd;
+      const float* knew = k.data() + (m * G + g) * hd;
+      const float* vnew = v.data() + (m * G + g) * hd;
+      const auto key = [&](int64_t j) { return j + 1 < len ? kb + j * hd : knew; };
+      const auto value = [&](int64_t j) { return j + 1 < len ? vb + j * hd : vnew; };
       float mx_s = -INFINITY;
       for (int64_t j = 0; j < len; ++j) {
+        const float* kj = key(j);
         float d = 0.0f;
-        for (int i = 0; i < hd; ++i) d += qv[i] * kb[j * hd + i];
+        for (int i = 0; i < hd; ++i) d += qv[i] * kj[i];
         s[j] = d * sp.attn_scale;
         mx_s = std::max(mx_s, s[j]);
       }
@@ -273,7 +278,8 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
       std::fill_n(o, hd, 0.0f);
       for (int64_t j = 0; j < len; ++j) {
         const float p = s[j] / total;
-        for (int i = 0; i < hd; ++i) o[i] += p * vb[j * hd + i];
+        const float* vj = value(j);
+        for (int i = 0; i < hd; ++i) o[i] += p * vj[i];
       }
     }
   });
@@ -305,34 +311,19 @@ class DecoderBlockStep : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
-    // the cache buffers: donated when MLX allows, else copied below before the new position is written
-    std::array<bool, 2> donated{};
-    for (int c = 0; c < 2; ++c) {
-      const mx::array& src = inputs[kKCache + c];
-      mx::array& dst = outputs[1 + c];
-      donated[c] = src.is_donatable() && src.flags().row_contiguous && src.itemsize() == dst.itemsize();
-      if (donated[c]) {
-        dst.copy_shared_buffer(src);
-      } else {
-        dst.set_data(mx::allocator::malloc(dst.nbytes()));
-      }
-    }
-    outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
     for (const auto& a : inputs) enc.set_input_array(a);
     for (auto& o : outputs) enc.set_output_array(o);
     std::vector<mx::array> in, out;
     for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
     for (const auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
-    enc.dispatch([in = std::move(in), out = std::move(out), donated, sp = sp_]() mutable {
+    enc.dispatch([in = std::move(in), out = std::move(out), sp = sp_]() mutable {
       if (in[kX].size() == 0) return;
-      for (int c = 0; c < 2; ++c)
-        if (!donated[c]) metalnn_native::gather<float>(in[kKCache + c], out[1 + c].data<float>());
-      // every other input as a row-major buffer (its own memory unless strided)
+      // every input as a row-major buffer (its own memory unless strided)
       std::vector<std::vector<float>> float_copies(in.size());
       std::vector<std::vector<uint8_t>> byte_copies(in.size());
       std::vector<const void*> data(in.size(), nullptr);
       for (size_t i = 0; i < in.size(); ++i) {
-        if (i == kKCache || i == kVCache) continue;
         if (in[i].dtype() == mx::uint8) {
           data[i] = metalnn_native::contiguous_data<uint8_t>(in[i], byte_copies[i]);
         } else {
@@ -356,7 +347,8 @@ class DecoderBlockStep : public mx::Primitive {
   METALNN_PRIMITIVE("DecoderBlockStep", sp_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[kX].shape(), inputs[kKCache].shape(), inputs[kVCache].shape()};
+    const auto& kc = inputs[kKCache];
+    return {inputs[kX].shape(), {kc.shape(0), kc.shape(1), 1, kc.shape(3)}, {kc.shape(0), kc.shape(1), 1, kc.shape(3)}};
   }
 
  private:
@@ -437,13 +429,15 @@ std::vector<mx::array> decoder_block_step_op(const std::vector<mx::array>& input
     expect(inputs[sp.qk_norm_input()], "q_norm gain", {hd}, mx::float32);
     expect(inputs[sp.qk_norm_input() + 1], "k_norm gain", {hd}, mx::float32);
   }
-  return mx::array::make_arrays({x.shape(), kc.shape(), kc.shape()}, {mx::float32, mx::float32, mx::float32},
+  const mx::Shape row = {kc.shape(0), kc.shape(1), 1, kc.shape(3)};
+  return mx::array::make_arrays({x.shape(), row, row}, {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<DecoderBlockStep>(s, sp), inputs);
 }
 
 }  // namespace
 
 void register_decode_step(nb::module_& m) {
+
   m.def(
       "decoder_block_step",
       [](const std::vector<mx::array>& inputs, int heads, int kv_heads, int head_dim, int rope_dims,
@@ -490,6 +484,6 @@ void register_decode_step(nb::module_& m) {
       nb::arg("bias"),
       nb::arg("offset"),
       nb::arg("stream") = nb::none(),
-      "One Llama-family decoder block for one new position a sequence: [out, key cache, value cache] "
+      "One Llama-family decoder block for one new position a sequence: [out, new key, new value] "
       "(see metalnn/cpu/decode_step.py for the inputs).");
 }
