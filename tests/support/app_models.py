@@ -22,11 +22,13 @@ def tiny_tokenizer(chat_template: str | None = CHATML) -> Tokenizer:
                      special_tokens={"eos_token": "<|im_end|>"})
 
 
-def save_tiny_model(folder, *, chat_template: str | None = CHATML, seed: int = 0, context: int = 4096):
+def save_tiny_model(folder, *, chat_template: str | None = CHATML, seed: int = 0, context: int = 4096,
+                    hidden_size: int = 64, num_hidden_layers: int = 2):
     """Write the tiny model to ``folder`` (config.json, model.safetensors, tokenizer files)."""
     tok = tiny_tokenizer(chat_template)
-    config = mn.models.llama_config(tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, intermediate_size=128, max_position_embeddings=context)
+    config = mn.models.llama_config(tok.vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * hidden_size,
+                                    max_position_embeddings=context)
     model = mn.models.from_config(config, seed=seed)
     model.save_pretrained(folder)
     tok.save(folder)
