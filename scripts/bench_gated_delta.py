@@ -178,8 +178,8 @@ def main(argv=None):
         if "recurrent" in res:
             line += f"  metalnn recurrent {res['recurrent'][0] * 1e3:9.1f}"
         print(line)
-        mem = (f"           peak memory: native {res['native_mem'] / 2**20:7.1f}  chunked {res['chunk_mem'] / 2**20:7.1f}"
-               f"  torch {res['torch_mem'] / 2**20:7.1f}")
+        mem = (f"           peak memory: native {res['native_mem'] / 2**20:7.1f}"
+               f"  chunked {res['chunk_mem'] / 2**20:7.1f}  torch {res['torch_mem'] / 2**20:7.1f}")
         if "recurrent_mem" in res:
             mem += f"  recurrent {res['recurrent_mem'] / 2**20:8.1f}"
         mem += f"   (chunked per chunk: {res['chunk_mem'] / (T / 64) / 2**20:.2f})"

@@ -51,7 +51,8 @@ SHAPES = {
 }
 CFG = dict(SHAPES["mha"])
 OVERRIDES = {"--width": "dim", "--layers": "layers", "--heads": "heads", "--kv-heads": "kv_heads",
-             "--head-dim": "head_dim", "--hidden": "hidden", "--batch": "batch", "--seq": "seq", "--vocab": "vocab"}
+             "--head-dim": "head_dim", "--hidden": "hidden", "--batch": "batch", "--seq": "seq",
+             "--vocab": "vocab"}
 
 
 def custom_shape(args) -> dict:

@@ -106,7 +106,8 @@ def _attention_fused(q, k, v, scale, causal):
 def _attention_mlx(q, k, v, scale, causal, mask, offset):
     """The ``"auto"`` implementation: MLX's fused attention, or the fused-softmax form on the CPU."""
     m = _combined_mask(q, k, causal, mask, offset)
-    if isinstance(m, str) and m == "causal" and q.shape[2] == k.shape[2] and fused_cpu(q, k, v) and native.supports(q, k, v):
+    same_positions = isinstance(m, str) and m == "causal" and q.shape[2] == k.shape[2]
+    if same_positions and fused_cpu(q, k, v) and native.supports(q, k, v):
         return native.causal_attention(q, k, v, scale)
     if fused_cpu(q, k, v) and not isinstance(m, mx.array):
         return _attention_fused(q, k, v, scale, m == "causal")

@@ -8,6 +8,8 @@ view of split heads as input.
 Tolerance: every element within rtol 1e-4, atol 1e-5. Each output is a float32 softmax-weighted
 mean of at most 130 values of order 1 and each gradient a sum of as many products, so the rounding
 error is ~1e-6; a wrong mask, scale or head mapping gives errors of order 1e-1.
+
+The main case runs on the AVX2 kernels and, with ``set_force_scalar``, on the portable ones.
 """
 
 import mlx.core as mx
@@ -17,8 +19,19 @@ import torch
 import torch.nn.functional as TF
 
 from metalnn.cpu import attention as native
+from metalnn.cpu import native_ext
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native extension")
+
+
+@pytest.fixture(params=["simd", "portable"])
+def kernel_path(request):
+    """Runs a test on the AVX2 kernels (where the CPU has them) and on the portable ones."""
+    ext = native_ext.extension()
+    old = ext.get_force_scalar()
+    ext.set_force_scalar(request.param == "portable")
+    yield request.param
+    ext.set_force_scalar(old)
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -59,7 +72,7 @@ def native_run(q, k, v, do, scale, transposed=False, compile=False):
 
 @pytest.mark.parametrize("B,Hq,Hkv,T,D", [(1, 1, 1, 1, 32), (2, 4, 2, 37, 32), (1, 3, 1, 70, 64),
                                           (2, 2, 2, 5, 128), (1, 6, 2, 130, 32)])
-def test_matches_torch_forward_and_backward(B, Hq, Hkv, T, D):
+def test_matches_torch_forward_and_backward(kernel_path, B, Hq, Hkv, T, D):
     q, k, v, do = make(B, Hq, Hkv, T, D, seed=T + D)
     scale = D ** -0.5
     o_ref, g_ref = torch_ref(q, k, v, do, scale)

@@ -8,6 +8,8 @@ Lengths run across several of the primitive's 64-token checkpoint blocks (and en
 Tolerance: every element within rtol 1e-4, atol 2e-5. q and k are unit vectors and the decay
 ``exp(g)`` is at most 1, so each element is a float32 sum of at most a few hundred terms of order 1
 (rounding error ~1e-6); a wrong index, decay or sign gives errors of order 1e-1.
+
+The main case runs on the AVX2 kernels and, with ``set_force_scalar``, on the portable ones.
 """
 
 import mlx.core as mx
@@ -17,8 +19,19 @@ import torch
 import torch.nn.functional as TF
 
 from metalnn.cpu import gated_delta as native
+from metalnn.cpu import native_ext
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native extension")
+
+
+@pytest.fixture(params=["simd", "portable"])
+def kernel_path(request):
+    """Runs a test on the AVX2 kernels (where the CPU has them) and on the portable ones."""
+    ext = native_ext.extension()
+    old = ext.get_force_scalar()
+    ext.set_force_scalar(request.param == "portable")
+    yield request.param
+    ext.set_force_scalar(old)
 
 RTOL, ATOL = 1e-4, 2e-5
 
@@ -81,7 +94,7 @@ def check(ref, got):
 
 @pytest.mark.parametrize("B,T,H,K,V", [(1, 1, 1, 8, 4), (2, 63, 3, 16, 8), (1, 64, 2, 32, 32),
                                        (2, 150, 2, 24, 40), (1, 200, 1, 64, 64)])
-def test_forward_and_backward_match_float64_recurrence(B, T, H, K, V):
+def test_forward_and_backward_match_float64_recurrence(kernel_path, B, T, H, K, V):
     inputs, do, dstate = make_inputs(B, T, H, K, V, seed=T + K)
     check(torch_grads(inputs, do, dstate), native_grads(inputs, do, dstate))
 

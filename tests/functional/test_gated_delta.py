@@ -1,5 +1,5 @@
-"""F.gated_delta_rule (reference recurrent and chunked forms, the native CPU form, emulated Metal kernels) against
-transformers' ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``.
+"""F.gated_delta_rule (reference recurrent and chunked forms, the native CPU form, emulated Metal
+kernels) against transformers' ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``.
 
 Inputs follow fla's test recipe: q, k L2-normalised, ``g = logsigmoid(rand)``, ``beta = sigmoid(rand)``,
 a random initial state; gradients of ``(o * do).sum() + (ht * dht).sum()``.
