@@ -3,11 +3,12 @@
 ``metalnn.cpu._fastmath.causal_attention`` (built from
 ``metalnn/cpu/native/fastmath/causal_attention.cpp``) computes ``softmax(q k^T * scale) v`` with the
 causal mask for queries and keys at the same positions (training, prefill without a cache),
-without forming the attention matrix: each (batch, key/value head) pair with its query heads is
-one task of metalnn's thread pool, a block of 4 query rows at a time forms its scores for the keys
-it sees only (half the products of the full matrix), and the forward pass keeps each row's
-logsumexp, from which the backward pass recomputes the probabilities. Grouped-query attention
-reads each key/value head once for its query heads, with no copies.
+without forming the attention matrix: a block of 4 query rows at a time forms its scores for the
+keys it sees only (half the products of the full matrix), and the forward pass keeps each row's
+logsumexp, from which the backward pass recomputes the probabilities. The tasks of metalnn's
+thread pool are the (batch, query head) pairs forward and the (batch, key/value head) pairs, each
+with its query heads, backward. Grouped-query attention reads the key/value heads in place, with
+no copies.
 
 Differentiable once (``mx.grad``, ``mx.vjp``, inside ``mx.compile``); JVPs, vmap and second
 derivatives raise. Float32, CPU streams, head_dim 32, 64 or 128 (`supports`).

@@ -4,7 +4,8 @@
 //   causal_attention(q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D], scale)
 //     -> o [B, T, Hq, D] (position-major: merging the heads after it is free)
 //
-// Each (batch, kv head) pair, with its Hq / Hkv query heads, is one unit of the thread pool; a
+// Forward, each (batch, query head) pair is one task of the thread pool; backward, each (batch,
+// kv head) pair with its Hq / Hkv query heads (their key and value gradients add up). A
 // query row's scores, softmax and output are formed for the keys it sees only (half the products
 // of a full attention matrix) and never stored: the forward pass keeps the rows' logsumexp, the
 // backward pass (CausalAttentionVJP) recomputes the probabilities from it. D must be 32, 64 or
@@ -117,19 +118,20 @@ class CausalAttention : public PrimitiveBase {
       const float *pq = q.data<float>(), *pk = k.data<float>(), *pv = v.data<float>();
       float *po = o.data<float>(), *pl = lse.data<float>();
       const bool avx = use_avx2();
-      metalnn_native::parallel_for(static_cast<size_t>(d.B * d.Hkv), 1, [&](size_t u0, size_t u1) {
+      // one task per (batch, query head): the forward pass accumulates nothing across heads
+      metalnn_native::parallel_for(static_cast<size_t>(d.B * d.Hq), 1, [&](size_t u0, size_t u1) {
         for (size_t u = u0; u < u1; ++u) {
-          const int64_t b = static_cast<int64_t>(u) / d.Hkv, g = static_cast<int64_t>(u) % d.Hkv;
-          const int64_t h0 = g * rep;
-          const float* qu = pq + (b * d.Hq + h0) * TD;
-          const float *ku = pk + u * TD, *vu = pv + u * TD;
-          float* ou = po + b * d.T * d.Hq * d.D + h0 * d.D;
-          float* lu = pl + (b * d.Hq + h0) * d.T;
+          const int64_t b = static_cast<int64_t>(u) / d.Hq, h = static_cast<int64_t>(u) % d.Hq;
+          const int64_t kv = b * d.Hkv + h / rep;
+          const float* qu = pq + u * TD;
+          const float *ku = pk + kv * TD, *vu = pv + kv * TD;
+          float* ou = po + b * d.T * d.Hq * d.D + h * d.D;
+          float* lu = pl + u * d.T;
           const int64_t st = d.Hq * d.D;
           switch (d.D) {
-            case 32: forward_unit<32>(avx, qu, ku, vu, rep, d.T, scale, ou, st, lu); break;
-            case 64: forward_unit<64>(avx, qu, ku, vu, rep, d.T, scale, ou, st, lu); break;
-            default: forward_unit<128>(avx, qu, ku, vu, rep, d.T, scale, ou, st, lu); break;
+            case 32: forward_unit<32>(avx, qu, ku, vu, 1, d.T, scale, ou, st, lu); break;
+            case 64: forward_unit<64>(avx, qu, ku, vu, 1, d.T, scale, ou, st, lu); break;
+            default: forward_unit<128>(avx, qu, ku, vu, 1, d.T, scale, ou, st, lu); break;
           }
         }
       });
