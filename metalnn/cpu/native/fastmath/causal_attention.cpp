@@ -4,9 +4,8 @@
 //   causal_attention(q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D], scale)
 //     -> o [B, T, Hq, D] (position-major: merging the heads after it is free)
 //
-// Forward, each (batch, query head) pair is one task of the thread pool; backward, each (batch,
-// kv head) pair with its Hq / Hkv query heads (their key and value gradients add up). A
-// query row's scores, softmax and output are formed for the keys it sees only (half the products
+// Each (batch, query head) pair is one task of the thread pool (backward, with grouped heads,
+// each writes its own key/value gradients, summed over the group at the end). A query row's scores, softmax and output are formed for the keys it sees only (half the products
 // of a full attention matrix) and never stored: the forward pass keeps the rows' logsumexp, the
 // backward pass (CausalAttentionVJP) recomputes the probabilities from it. D must be 32, 64 or
 // 128 (causal_attention_kernels.h has the loops). Second derivatives, JVPs and vmap raise.
@@ -177,16 +176,20 @@ class CausalAttentionVJP : public PrimitiveBase {
                   *po = in[3].data<float>(), *pl = in[4].data<float>(), *pdo = in[5].data<float>();
       float *dq = out[0].data<float>(), *dk = out[1].data<float>(), *dv = out[2].data<float>();
       const bool avx = use_avx2();
-      metalnn_native::parallel_for(static_cast<size_t>(d.B * d.Hkv), 1, [&](size_t u0, size_t u1) {
+      // one task per (batch, query head); with grouped heads each writes its own key and value
+      // gradients, summed over the group afterwards
+      std::vector<float> partial(rep > 1 ? 2 * d.B * d.Hq * TD : 0);
+      float *dkp = rep > 1 ? partial.data() : dk, *dvp = rep > 1 ? partial.data() + d.B * d.Hq * TD : dv;
+      metalnn_native::parallel_for(static_cast<size_t>(d.B * d.Hq), 1, [&](size_t u0, size_t u1) {
         for (size_t u = u0; u < u1; ++u) {
-          const int64_t b = static_cast<int64_t>(u) / d.Hkv, g = static_cast<int64_t>(u) % d.Hkv;
-          const int64_t h0 = g * rep;
-          const int64_t qoff = (b * d.Hq + h0) * TD, ooff = b * d.T * d.Hq * d.D + h0 * d.D;
+          const int64_t b = static_cast<int64_t>(u) / d.Hq, h = static_cast<int64_t>(u) % d.Hq;
+          const int64_t kv = b * d.Hkv + h / rep;
+          const int64_t qoff = u * TD, ooff = b * d.T * d.Hq * d.D + h * d.D;
           const int64_t st = d.Hq * d.D;
-          const float* lu = pl + (b * d.Hq + h0) * d.T;
-#define METALNN_ATTN_BWD(DD)                                                                                  \
-  backward_unit<DD>(avx, pq + qoff, pk + u * TD, pv + u * TD, po + ooff, pdo + ooff, st, lu, rep, d.T, scale, \
-                    dq + qoff, dk + u * TD, dv + u * TD)
+          const float* lu = pl + u * d.T;
+#define METALNN_ATTN_BWD(DD)                                                                                    \
+  backward_unit<DD>(avx, pq + qoff, pk + kv * TD, pv + kv * TD, po + ooff, pdo + ooff, st, lu, 1, d.T, scale, \
+                    dq + qoff, dkp + u * TD, dvp + u * TD)
           switch (d.D) {
             case 32: METALNN_ATTN_BWD(32); break;
             case 64: METALNN_ATTN_BWD(64); break;
@@ -195,6 +198,22 @@ class CausalAttentionVJP : public PrimitiveBase {
 #undef METALNN_ATTN_BWD
         }
       });
+      if (rep > 1) {
+        const size_t n = static_cast<size_t>(d.B * d.Hkv * TD);
+        metalnn_native::parallel_for(n, 16384, [&](size_t i0, size_t i1) {
+          for (size_t i = i0; i < i1; ++i) {
+            const int64_t kv = static_cast<int64_t>(i) / TD, e = static_cast<int64_t>(i) % TD;
+            const int64_t first = (kv / d.Hkv * d.Hq + kv % d.Hkv * rep) * TD + e;
+            float sk = 0.0f, sv = 0.0f;
+            for (int64_t r = 0; r < rep; ++r) {
+              sk += dkp[first + r * TD];
+              sv += dvp[first + r * TD];
+            }
+            dk[i] = sk;
+            dv[i] = sv;
+          }
+        });
+      }
     });
   }
 
