@@ -6,9 +6,9 @@ causal mask for queries and keys at the same positions (training, prefill withou
 without forming the attention matrix: a block of 4 query rows at a time forms its scores for the
 keys it sees only (half the products of the full matrix), and the forward pass keeps each row's
 logsumexp, from which the backward pass recomputes the probabilities. The tasks of metalnn's
-thread pool are the (batch, query head) pairs forward and the (batch, key/value head) pairs, each
-with its query heads, backward. Grouped-query attention reads the key/value heads in place, with
-no copies.
+thread pool are the (batch, query head) pairs; grouped-query attention reads the key/value heads
+in place, with no copies, and the backward pass sums the key/value gradients of a group's query
+heads at the end.
 
 Differentiable once (``mx.grad``, ``mx.vjp``, inside ``mx.compile``); JVPs, vmap and second
 derivatives raise. Float32, CPU streams, head_dim 32, 64 or 128 (`supports`).
