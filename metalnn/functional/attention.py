@@ -138,7 +138,7 @@ def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=Non
     * ``"auto"``: ``mx.fast.scaled_dot_product_attention``. On the CPU backend, causal attention of
       queries and keys at the same positions (training) runs `metalnn.cpu.attention` where it
       takes the shapes (float32, head_dim 32/64/128): one thread, q ``[6, 6, 192, 32]``, 2 kv
-      heads, forward+backward took about half the CPU time of the form below. Other float32 inputs
+      heads, forward+backward took 0.55-0.7x the CPU time of the form below. Other float32 inputs
       without a mask array, while the native extension is available, take the form of
       `_attention_fused` (two matrix products around `metalnn.cpu.fused.scaled_softmax`) instead:
       ``python scripts/bench_kernels.py --ops attention --cpu-time`` (q ``[2, 8, 256, 64]``, 2 kv

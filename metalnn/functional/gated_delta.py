@@ -34,8 +34,8 @@ Forms (``mode``), all differentiable:
 * ``"auto"`` picks by ``device.kernels``: ``"reference"`` runs ``"recurrent"`` (the definition);
   ``"auto"`` runs ``"native"`` on the CPU backend where it can (``python
   scripts/bench_gated_delta.py``: B=1, 4 heads, 64x64 state, forward+backward, both sides at their
-  default 2 threads on a shared 2-core x86_64, load average 0.6-1.1: 2.1x transformers'
-  ``torch_chunk_gated_delta_rule`` at T=512, 3.9x at 2048, 8.1x at 8192), elsewhere
+  default 2 threads on a shared 2-core x86_64, two runs at load average 0.6-1.1: 1.25-2.1x
+  transformers' ``torch_chunk_gated_delta_rule`` at T=512, 2.7-3.9x at 2048, 8x at 8192), elsewhere
   ``"recurrent"`` for ``T < 16`` and ``"chunk"`` otherwise (MLX 0.32's own
   ``mx.fast.gated_delta_update``, forward only and the tests' second oracle, measured 7.6x slower
   than ``"chunk"`` forward and 26x forward+backward on the CPU at T=512, 4 heads, 64x64 state; it
