@@ -1,5 +1,10 @@
-"""Benchmark the gated delta rule, forward + backward, in one process: metalnn's chunked form vs
-transformers' ``torch_chunk_gated_delta_rule`` (torch autograd) vs metalnn's per-token recurrent form.
+"""Benchmark the gated delta rule, forward + backward, in one process: metalnn's default CPU path
+(``mode="auto"`` on the default device: the native form, `metalnn.cpu.gated_delta`) and its chunked
+form in MLX ops vs transformers' ``torch_chunk_gated_delta_rule`` (torch autograd) vs metalnn's
+per-token recurrent form in MLX ops.
+
+The native, chunked and torch steps are timed interleaved (one of each per round), so load from
+other processes hits them alike; the load average is printed.
 
 Case: B=1, 4 heads, 64x64 state (K = V = 64), q/k L2-normalised in the rule, chunk 64, gradients of
 ``sum(o * do)`` in q, k, v, g and beta, at T = 512, 2048, 8192. Prints median/min times, the speed
@@ -38,6 +43,20 @@ def inputs(T, seed=0):
     return q, k, v, g, beta, do
 
 
+def _interleaved(fns: dict, reps, warmup=1):
+    """Per name: (median, min) seconds of ``reps`` calls, one call of each function per round."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
 def _timeit(fn, reps, warmup=1):
     for _ in range(warmup):
         fn()
@@ -50,9 +69,10 @@ def _timeit(fn, reps, warmup=1):
 
 
 def metalnn_step(arrays, mode):
+    """``mode="auto"``: the default device (the native form on the CPU); else the MLX-op forms."""
     from metalnn.functional import gated_delta_rule
 
-    device = metalnn.Device(kernels="reference")
+    device = metalnn.Device() if mode == "auto" else metalnn.Device(kernels="reference")
     q, k, v, g, beta, do = (mx.array(a) for a in arrays)
     mx.eval(q, k, v, g, beta, do)
 
@@ -131,33 +151,41 @@ def main(argv=None):
     if args.torch_peak is not None:
         return _torch_peak_child(args.torch_peak, torch.get_num_threads())
 
+    import os
+
+    from metalnn.cpu import im2col
+
     print(f"gated delta rule fwd+bwd, B={B}, heads={H}, state {K}x{V}, chunk 64 "
-          f"(torch threads {torch.get_num_threads()}); times in ms, memory in MiB")
+          f"(torch threads {torch.get_num_threads()}, metalnn threads {im2col.get_num_threads()}); "
+          f"times in ms, memory in MiB")
     rows = []
     for T in args.lengths:
         arrays = inputs(T)
-        chunk = metalnn_step(arrays, "chunk")
-        res = {"T": T}
-        res["chunk"] = _timeit(chunk, args.reps)
+        native, chunk = metalnn_step(arrays, "auto"), metalnn_step(arrays, "chunk")
+        res = {"T": T, "load": os.getloadavg()[0]}
+        res.update(_interleaved({"native": native, "chunk": chunk, "torch": torch_step(arrays)}, args.reps))
+        res["native_mem"] = metalnn_peak(native)
         res["chunk_mem"] = metalnn_peak(chunk)
-        res["torch"] = _timeit(torch_step(arrays), args.reps)
         res["torch_mem"] = torch_peak(T, torch.get_num_threads())
         if args.no_recurrent_above is None or T <= args.no_recurrent_above:
             rec = metalnn_step(arrays, "recurrent")
             res["recurrent"] = _timeit(rec, max(1, args.reps // 2))
             res["recurrent_mem"] = metalnn_peak(rec)
         rows.append(res)
-        line = (f"  T={T:5d}  metalnn chunked {res['chunk'][0] * 1e3:8.1f} (min {res['chunk'][1] * 1e3:7.1f})"
+        line = (f"  T={T:5d}  metalnn native {res['native'][0] * 1e3:8.1f} (min {res['native'][1] * 1e3:7.1f})"
+                f"  metalnn chunked {res['chunk'][0] * 1e3:8.1f} (min {res['chunk'][1] * 1e3:7.1f})"
                 f"  torch chunked {res['torch'][0] * 1e3:8.1f} (min {res['torch'][1] * 1e3:7.1f})")
         if "recurrent" in res:
             line += f"  metalnn recurrent {res['recurrent'][0] * 1e3:9.1f}"
         print(line)
-        mem = f"           peak memory: chunked {res['chunk_mem'] / 2**20:7.1f}  torch {res['torch_mem'] / 2**20:7.1f}"
+        mem = (f"           peak memory: native {res['native_mem'] / 2**20:7.1f}"
+               f"  chunked {res['chunk_mem'] / 2**20:7.1f}  torch {res['torch_mem'] / 2**20:7.1f}")
         if "recurrent_mem" in res:
             mem += f"  recurrent {res['recurrent_mem'] / 2**20:8.1f}"
         mem += f"   (chunked per chunk: {res['chunk_mem'] / (T / 64) / 2**20:.2f})"
         print(mem)
-        ratio = f"           chunked speed vs torch chunked {res['torch'][0] / res['chunk'][0]:.2f}x"
+        ratio = (f"           vs torch chunked: metalnn native {res['torch'][0] / res['native'][0]:.2f}x, "
+                 f"metalnn chunked {res['torch'][0] / res['chunk'][0]:.2f}x (load average {res['load']:.2f})")
         if "recurrent" in res:
             ratio += f", vs recurrent {res['recurrent'][0] / res['chunk'][0]:.1f}x"
         print(ratio)

@@ -20,6 +20,11 @@ tokens/s for each (median of the timed steps) and metalnn's ratio to the others.
 
     python scripts/bench_train.py [--shape mha|gqa] [--steps 10] [--warmup 3] [--threads N]
 
+Any other Llama shape: ``--width``, ``--layers``, ``--heads``, ``--kv-heads``, ``--head-dim``,
+``--hidden`` (SwiGLU width), ``--batch``, ``--seq`` and ``--vocab`` override the chosen
+``--shape``'s entries (``--head-dim`` defaults to width / heads, ``--hidden`` to the multiple of 8
+nearest ``8/3`` of the width), e.g. ``--width 192 --layers 3 --heads 6 --kv-heads 2 --batch 6 --seq 192``.
+
 ``--cpu-time`` times each step by the process's CPU time instead of the wall clock: with every
 library on one thread (``OPENBLAS_NUM_THREADS=1 METALNN_NUM_THREADS=1 python
 scripts/bench_train.py --threads 1 --cpu-time``) that compares the work each framework does,
@@ -45,6 +50,24 @@ SHAPES = {
     "gqa": dict(vocab=256, dim=384, layers=4, heads=6, kv_heads=2, head_dim=64, hidden=1024, seq=256, batch=8),
 }
 CFG = dict(SHAPES["mha"])
+OVERRIDES = {"--width": "dim", "--layers": "layers", "--heads": "heads", "--kv-heads": "kv_heads",
+             "--head-dim": "head_dim", "--hidden": "hidden", "--batch": "batch", "--seq": "seq",
+             "--vocab": "vocab"}
+
+
+def custom_shape(args) -> dict:
+    """``SHAPES[args.shape]`` with the command line's overrides (``--width`` ... ``--vocab``)."""
+    cfg = dict(SHAPES[args.shape])
+    given = {key: getattr(args, flag[2:].replace("-", "_")) for flag, key in OVERRIDES.items()}
+    given = {key: val for key, val in given.items() if val is not None}
+    if "dim" in given and "hidden" not in given:
+        given["hidden"] = 8 * round(given["dim"] * 8 / 3 / 8)
+    if ("dim" in given or "heads" in given) and "head_dim" not in given:
+        given["head_dim"] = given.get("dim", cfg["dim"]) // given.get("heads", cfg["heads"])
+    cfg.update(given)
+    if cfg["heads"] % cfg["kv_heads"]:
+        raise SystemExit(f"--heads ({cfg['heads']}) must be a multiple of --kv-heads ({cfg['kv_heads']})")
+    return cfg
 
 
 def batches(n, seed=0):
@@ -195,15 +218,17 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="PyTorch intra-op threads (default: all cores)")
     p.add_argument("--only", choices=["metalnn", "torch", "mlx"], nargs="*", default=None)
     p.add_argument("--cpu-time", action="store_true", help="time steps by process CPU time (see above)")
+    for flag, key in OVERRIDES.items():
+        p.add_argument(flag, type=int, default=None, help=f"override the shape's {key}")
     args = p.parse_args(argv)
     CFG.clear()
-    CFG.update(SHAPES[args.shape])
+    CFG.update(custom_shape(args))
     import torch
 
     torch.set_num_threads(args.threads or os.cpu_count())
     data = batches(args.steps + args.warmup)
     which = args.only or ["metalnn", "torch", "mlx"]
-    print(f"tiny Llama ({args.shape}): width {CFG['dim']}, {CFG['layers']} layers, {CFG['heads']} heads "
+    print(f"load average {os.getloadavg()[0]:.2f}; tiny Llama: width {CFG['dim']}, {CFG['layers']} layers, {CFG['heads']} heads "
           f"({CFG['kv_heads']} kv heads, head_dim {CFG['head_dim']}), SwiGLU {CFG['hidden']}, T={CFG['seq']}, "
           f"batch {CFG['batch']}, vocab {CFG['vocab']}; {args.warmup} warm-up + {args.steps} timed AdamW steps; "
           f"{os.cpu_count()} cores; MLX {mx.__version__}, torch {torch.__version__}")

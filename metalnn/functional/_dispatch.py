@@ -32,6 +32,11 @@ def emulator_options(device) -> dict:
 
 
 
+def native_cpu(*arrays) -> bool:
+    """Whether these arrays run on the CPU backend and are all float32 (None entries ignored)."""
+    return on_cpu() and all(a is None or a.dtype == mx.float32 for a in arrays)
+
+
 def fused_cpu(*arrays) -> bool:
     """Whether `metalnn.cpu.fused`'s native primitives run these arrays: the CPU backend, the extension
     loaded and every array (None entries ignored) float32."""

@@ -1,5 +1,5 @@
-"""F.gated_delta_rule (reference recurrent and chunked forms, emulated Metal kernels) against
-transformers' ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``.
+"""F.gated_delta_rule (reference recurrent and chunked forms, the native CPU form, emulated Metal
+kernels) against transformers' ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``.
 
 Inputs follow fla's test recipe: q, k L2-normalised, ``g = logsigmoid(rand)``, ``beta = sigmoid(rand)``,
 a random initial state; gradients of ``(o * do).sum() + (ht * dht).sum()``.
@@ -26,6 +26,7 @@ import torch.nn.functional as TF
 
 import metalnn as mn
 from metalnn import functional as F
+from metalnn.cpu import gated_delta as native_gd
 
 from kernel_cases import GATED_DELTA_SHAPES, emulate, reference, spy_launches
 
@@ -138,7 +139,13 @@ def hf_chunk(chunk_size):
 
 
 SHAPES = GATED_DELTA_SHAPES[:2]   # the third, wide heads: test_kernel_wide_heads_and_several_checkpoints
-PATHS = [("reference", "recurrent"), ("reference", "chunk"), ("emulate", "kernel")]
+NATIVE = pytest.param("auto", "native", marks=pytest.mark.skipif(not native_gd.available(),
+                                                                reason="no native extension"))
+PATHS = [("reference", "recurrent"), ("reference", "chunk"), NATIVE, ("emulate", "kernel")]
+
+
+def device_of(kernels):
+    return {"reference": reference, "emulate": emulate}.get(kernels, mn.Device)()
 
 
 KERNELS = {"gated_delta_forward", "gated_delta_backward"}
@@ -149,7 +156,7 @@ KERNELS = {"gated_delta_forward", "gated_delta_backward"}
 def test_matches_transformers(kernels, mode, shape, monkeypatch):
     launches = spy_launches(monkeypatch)
     inputs, do, dht = make_inputs(*shape, seed=sum(shape))
-    device = reference() if kernels == "reference" else emulate()
+    device = device_of(kernels)
     got = metalnn_run(inputs, do, dht, device, mode=mode, chunk_size=16)
     assert launches.names() == (KERNELS if kernels == "emulate" else set())
     check_elementwise(torch_reference(naive64, inputs, do, dht), got)
@@ -163,7 +170,7 @@ def test_l2norm_in_kernel_no_initial_state(kernels, mode):
     inputs, do, dht = make_inputs(1, 9, 1, 2, 8, 4, seed=3, h0=False)
     inputs[0] = inputs[0] * 3.0
     inputs[1] = inputs[1] * 0.5 + 0.1
-    device = reference() if kernels == "reference" else emulate()
+    device = device_of(kernels)
     got = metalnn_run(inputs, do, dht, device, mode=mode, chunk_size=4, use_qk_l2norm_in_kernel=True)
     check_elementwise(torch_reference(naive64, inputs, do, dht, l2=True), got)
     check_all(torch_reference(hf_recurrent, inputs, do, dht, use_qk_l2norm_in_kernel=True), got)
@@ -192,17 +199,26 @@ def test_kernel_lane_order_does_not_change_result(lane_order, monkeypatch):
     assert orders == {(name, order) for name in KERNELS for order in ("forward", lane_order)}
 
 
-def test_auto_mode_picks_by_device_and_length(monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_mode_picks_by_device_and_length(native, monkeypatch):
     """mode="auto": the kernels on an emulate device; the recurrence on "reference"; on "auto" the
-    recurrence below 16 tokens and the chunked form from there."""
+    native form on the CPU backend with the extension, else the recurrence below 16 tokens and
+    the chunked form from there."""
     gd = importlib.import_module("metalnn.functional.gated_delta")
+    if native and not gd._native_takes(mx.zeros((1, 1, 1, 8)), mx.zeros((1, 1, 1, 4))):
+        pytest.skip("the native form does not run here (no extension, or not the CPU backend)")
+    if not native:
+        monkeypatch.setattr(gd.native, "available", lambda: False)
     calls = []
     for name in ("gated_delta_recurrent", "gated_delta_chunk"):
         real = getattr(gd, name)
         monkeypatch.setattr(gd, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
+    real_native = gd.native.gated_delta
+    monkeypatch.setattr(gd.native, "gated_delta", lambda *a, **k: (calls.append("native"), real_native(*a, **k))[1])
     launches = spy_launches(monkeypatch)
-    for T, device, expected in [(20, reference(), "gated_delta_recurrent"), (8, mn.Device(), "gated_delta_recurrent"),
-                                (20, mn.Device(), "gated_delta_chunk"), (20, emulate(), None)]:
+    auto_short, auto_long = ("native", "native") if native else ("gated_delta_recurrent", "gated_delta_chunk")
+    for T, device, expected in [(20, reference(), "gated_delta_recurrent"), (8, mn.Device(), auto_short),
+                                (20, mn.Device(), auto_long), (20, emulate(), None)]:
         calls.clear()
         launches.clear()
         q, k, v, g, beta, h0 = (mx.array(x.numpy()) for x in make_inputs(1, T, 1, 1, 8, 4, seed=T)[0])
@@ -266,8 +282,10 @@ def test_dtypes_and_options():
     np.testing.assert_allclose(np.array(o_s), np.array(o_d), atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
+@pytest.mark.parametrize("mode", ["recurrent", "chunk", "native"])
 def test_plain_forms_compile(mode):
+    if mode == "native" and not native_gd.available():
+        pytest.skip("no native extension")
     inputs, _, _ = make_inputs(1, 20, 1, 1, 8, 4, seed=4)
     args = [mx.array(x.numpy()) for x in inputs]
 
@@ -296,4 +314,6 @@ def test_bad_arguments_are_reported():
         F.gated_delta_rule(q, q, v, g, g, mode="fast", device=reference())
     with pytest.raises(ValueError, match="needs a device with kernels"):
         F.gated_delta_rule(q, q, v, g, g, mode="kernel", device=reference())
+    with pytest.raises(ValueError, match="value head dimension of at most"):
+        F.gated_delta_rule(q, q, mx.zeros((1, 4, 2, 1025)), g, g, mode="native", device=mn.Device())
     assert isinstance(F.gated_delta_rule(q, q, v, g, g, device=mn.Device(kernels="reference"))[0], mx.array)

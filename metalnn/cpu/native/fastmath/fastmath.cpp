@@ -27,6 +27,8 @@
 #include "kernels.h"
 #include "primitive.h"
 #include "qmatmul.h"
+#include "causal_attention.h"
+#include "gated_delta.h"
 #include "train_ops.h"
 
 namespace mx = mlx::core;
@@ -769,6 +771,8 @@ NB_MODULE(_fastmath, m) {
   register_im2col(m);
   register_qmatmul(m);
   register_train_ops(m);
+  register_gated_delta(m);
+  register_causal_attention(m);
   m.attr("mlx_version") = METALNN_MLX_VERSION;
   m.attr("build_tag") = metalnn_fastmath_build_tag;
 }
