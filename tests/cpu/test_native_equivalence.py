@@ -54,6 +54,10 @@ def _arrays():
         "bx": a(1, 1, 16), "w16b": a(16), "wq16": a(16, 16), "wk8": a(8, 16), "wv8": a(8, 16), "wo16": a(16, 16),
         "wg24": a(24, 16), "wu24": a(24, 16), "wd16": a(16, 24), "kc": a(1, 1, 4, 8), "vc": a(1, 1, 4, 8),
         "inv4": mx.abs(a(4)),
+        # causal attention q [1, 2, 8, 32] over 1 key/value head (output [1, 8, 2, 32]); gated delta [B 1, T 6, H 2, K 8, V 8]
+        "aq": a(1, 2, 8, 32), "ak": a(1, 1, 8, 32), "av": a(1, 1, 8, 32), "ag": a(1, 8, 2, 32),
+        "dq": a(1, 6, 2, 8), "dk": a(1, 6, 2, 8), "dv": a(1, 6, 2, 8), "dg": -mx.abs(a(1, 6, 2)),
+        "db": mx.sigmoid(a(1, 6, 2)), "dh": a(1, 2, 8, 8),
     }
     mx.eval(arrays)
     return arrays
@@ -130,6 +134,16 @@ def _cases(ext):
                         ["p", "gp", "m", "v", "lr", "step"], adam,
                         {"b1": {"b1": 0.8}, "b2": {"b2": 0.99}, "eps": {"eps": 1e-6},
                          "weight_decay": {"weight_decay": 0.0}, "bias_correction": {"bias_correction": False}}),
+        "CausalAttention": ("MetalnnCausalAttention", lambda scale: lambda q, k, v: ext.causal_attention(q, k, v, scale),
+                            ["aq", "ak", "av"], {"scale": 0.2}, {"scale": {"scale": 0.3}}),
+        "CausalAttentionVJP": ("MetalnnCausalAttentionVJP",
+                               lambda scale: _vjp(lambda q, k, v: ext.causal_attention(q, k, v, scale), 3),
+                               ["aq", "ak", "av", "ag"], {"scale": 0.2}, {"scale": {"scale": 0.3}}),
+        # no parameters: the recurrence is fixed (its backward reads its forward's outputs)
+        "GatedDelta": ("MetalnnGatedDelta", lambda: lambda *a: ext.gated_delta(*a)[0],
+                       ["dq", "dk", "dv", "dg", "db", "dh"], {}, {}),
+        "GatedDeltaVJP": ("MetalnnGatedDeltaVJP", lambda: _vjp(lambda *a: ext.gated_delta(*a)[0], 6),
+                          ["dq", "dk", "dv", "dg", "db", "dh", "dv"], {}, {}),
         "DecoderBlockStep": ("DecoderBlockStep", lambda **p: lambda *a: ext.decoder_block_step(list(a), **p),
                              step_inputs, step,
                              {"rope_traditional": {**step, "rope_traditional": True},
@@ -143,7 +157,8 @@ def _cases(ext):
 CASE_NAMES = ["FastUnary", "FastUnaryGrad", "FastSoftmax", "FastSoftmaxGrad", "Im2Col", "Col2Im",
               "AffineQuantizedMatmul", "AffineDequantize", "GGMLMatmul", "GGMLDequantize", "RmsNorm", "RmsNormVJP",
               "Rope", "Gated", "GatedVJP", "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP",
-              "LayoutCopy", "AdamWUpdate", "DecoderBlockStep"]
+              "LayoutCopy", "AdamWUpdate", "CausalAttention", "CausalAttentionVJP", "GatedDelta", "GatedDeltaVJP",
+              "DecoderBlockStep"]
 VARIED = [(name, field) for name, fields in [
     ("FastUnary", ["kind"]), ("FastUnaryGrad", ["kind"]),
     ("Im2Col", ["kernel", "stride", "padding", "dilation"]),
@@ -155,6 +170,7 @@ VARIED = [(name, field) for name, fields in [
     ("Gated", ["kind"]), ("GatedVJP", ["kind"]), ("CrossEntropy", ["label_smoothing"]),
     ("ScaledSoftmax", ["scale", "causal", "q_len", "offset"]),
     ("AdamWUpdate", ["b1", "b2", "eps", "weight_decay", "bias_correction"]),
+    ("CausalAttention", ["scale"]), ("CausalAttentionVJP", ["scale"]),
     ("DecoderBlockStep", ["rope_traditional", "rope_scale", "attn_scale", "eps", "qk_eps", "window", "gelu", "offset"]),
 ] for field in fields]
 
@@ -195,7 +211,7 @@ def test_every_primitive_is_covered(ext):
     """Each primitive declares its name and is_equivalent through METALNN_PRIMITIVE, and has a case here."""
     sources = "".join(p.read_text() for p in sorted(SOURCES.glob("*.cpp")))
     assert "is_equivalent" not in sources
-    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 22
+    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 26
     assert list(_cases(ext)) == CASE_NAMES
 
 
