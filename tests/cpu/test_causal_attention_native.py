@@ -21,7 +21,12 @@ import torch.nn.functional as TF
 from metalnn.cpu import attention as native
 from metalnn.cpu import native_ext
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no native extension")
+from native_platform import require_native  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _native():
+    require_native(native.available())
 
 
 @pytest.fixture(params=["simd", "portable"])

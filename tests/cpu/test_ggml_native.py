@@ -17,8 +17,6 @@ the bound; the errors seen are 20-50x smaller).
 """
 
 import io
-import platform
-import sys
 
 import numpy as np
 import pytest
@@ -27,10 +25,11 @@ import metalnn.cpu.ggml as cg
 import metalnn.cpu.im2col as ic
 import mlx.core as mx
 from ggml_blocks import random_blocks
+from native_platform import NATIVE_PLATFORM
+from native_platform import require_native as require_native_extension
 from metalnn import ggml
 from metalnn.ggml import grids
 
-NATIVE_PLATFORM = sys.platform.startswith("linux") and platform.machine() == "x86_64"
 BLOCK_TYPES = sorted(name for name, cls in ggml.TYPES.items() if cls.block_size > 1)
 U = 2.0 ** -24
 REGISTER_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
@@ -53,10 +52,7 @@ INT8 = {"on": False}
 def require_native():
     """The native primitives must be loaded on the platform they are built for (a failed build is a
     defect there); elsewhere the test does not apply."""
-    if not cg.available():
-        if NATIVE_PLATFORM:
-            pytest.fail(f"native GGML kernels unavailable: {cg.unavailable_reason()}")
-        pytest.skip(f"no native primitives on this platform ({cg.unavailable_reason()})")
+    require_native_extension(cg.available(), "the native GGML kernels")
 
 
 @pytest.fixture(params=PATHS)

@@ -31,8 +31,13 @@ from metalnn.layers.attention import KVCache
 from metalnn.llm.models import load_pretrained
 from tests.support import gguf_files
 from tests.support.hf_models import hf_logits, hf_model
+from native_platform import require_native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the native extension is not built here")
+
+
+@pytest.fixture(autouse=True)
+def _native():
+    require_native(native.available(), "the fused decoding step")
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,

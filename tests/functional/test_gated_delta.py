@@ -29,6 +29,7 @@ from metalnn import functional as F
 from metalnn.cpu import gated_delta as native_gd
 
 from kernel_cases import GATED_DELTA_SHAPES, emulate, reference, spy_launches
+from native_platform import require_native
 
 import transformers.models.qwen3_next.modeling_qwen3_next as hf  # noqa: E402
 
@@ -139,9 +140,7 @@ def hf_chunk(chunk_size):
 
 
 SHAPES = GATED_DELTA_SHAPES[:2]   # the third, wide heads: test_kernel_wide_heads_and_several_checkpoints
-NATIVE = pytest.param("auto", "native", marks=pytest.mark.skipif(not native_gd.available(),
-                                                                reason="no native extension"))
-PATHS = [("reference", "recurrent"), ("reference", "chunk"), NATIVE, ("emulate", "kernel")]
+PATHS = [("reference", "recurrent"), ("reference", "chunk"), ("auto", "native"), ("emulate", "kernel")]
 
 
 def device_of(kernels):
@@ -154,6 +153,8 @@ KERNELS = {"gated_delta_forward", "gated_delta_backward"}
 @pytest.mark.parametrize("kernels,mode", PATHS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matches_transformers(kernels, mode, shape, monkeypatch):
+    if mode == "native":
+        require_native(native_gd.available(), "the native gated delta rule")
     launches = spy_launches(monkeypatch)
     inputs, do, dht = make_inputs(*shape, seed=sum(shape))
     device = device_of(kernels)
@@ -167,6 +168,8 @@ def test_matches_transformers(kernels, mode, shape, monkeypatch):
 @pytest.mark.parametrize("kernels,mode", PATHS)
 def test_l2norm_in_kernel_no_initial_state(kernels, mode):
     """Unnormalised q/k with use_qk_l2norm_in_kernel=True (as Qwen3-Next calls it), h0 = None."""
+    if mode == "native":
+        require_native(native_gd.available(), "the native gated delta rule")
     inputs, do, dht = make_inputs(1, 9, 1, 2, 8, 4, seed=3, h0=False)
     inputs[0] = inputs[0] * 3.0
     inputs[1] = inputs[1] * 0.5 + 0.1
@@ -205,8 +208,9 @@ def test_auto_mode_picks_by_device_and_length(native, monkeypatch):
     native form on the CPU backend with the extension, else the recurrence below 16 tokens and
     the chunked form from there."""
     gd = importlib.import_module("metalnn.functional.gated_delta")
-    if native and not gd._native_takes(mx.zeros((1, 1, 1, 8)), mx.zeros((1, 1, 1, 4))):
-        pytest.skip("the native form does not run here (no extension, or not the CPU backend)")
+    if native:
+        require_native(gd._native_takes(mx.zeros((1, 1, 1, 8)), mx.zeros((1, 1, 1, 4))),
+                       "the native gated delta rule (on the CPU backend)")
     if not native:
         monkeypatch.setattr(gd.native, "available", lambda: False)
     calls = []
@@ -284,8 +288,8 @@ def test_dtypes_and_options():
 
 @pytest.mark.parametrize("mode", ["recurrent", "chunk", "native"])
 def test_plain_forms_compile(mode):
-    if mode == "native" and not native_gd.available():
-        pytest.skip("no native extension")
+    if mode == "native":
+        require_native(native_gd.available(), "the native gated delta rule")
     inputs, _, _ = make_inputs(1, 20, 1, 1, 8, 4, seed=4)
     args = [mx.array(x.numpy()) for x in inputs]
 
