@@ -180,7 +180,6 @@ def test_cap_from_the_environment(env):
 @needs_shim
 @pytest.mark.skipif(CPUS < 2, reason="needs two cores (with one the cap is one already)")
 def test_count_set_through_threadpoolctl_becomes_the_cap():
-    pytest.importorskip("threadpoolctl")
     out = _run(setup="import threadpoolctl\nthreadpoolctl.threadpool_limits(limits=1, user_api='blas')")
     last = out["last"]
     assert out["first"]["threads"]["cap"] >= 2, out["first"]
