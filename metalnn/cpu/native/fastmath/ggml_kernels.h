@@ -536,6 +536,16 @@ struct DotSink {
   int64_t ldx;
   const float* sc;
   __m256 acc[MB];
+  const float* x0;  // input row 0's first value
+
+  // Input rows m .. m + MB - 1 of the product; then block b of them.
+  GGML_INLINE void start(const MatmulArgs& a, int64_t m) {
+    x0 = a.x + m * a.K;
+    ldx = a.K;
+  }
+  GGML_INLINE void at_block(int64_t b) {
+    x = x0 + b * T::QK;
+  }
 
   GGML_INLINE void add(const __m256* f, int i) {
     const float* xc = x + 32 * i;
@@ -571,14 +581,14 @@ struct DotSink {
   }
 };
 
-// out[m * ldo] = row . x_m for MB input rows (xs: their sub-block sums, for the formats with a bias).
-template <class T, int MB>
-GGML_TARGET void dot_row_avx2(const uint8_t* row, int64_t nblocks, const float* x, int64_t ldx, const float* xs,
-                              int64_t ldxs, float* out, int64_t ldo) {
+// out[m * ldo] = row . x_m for the sink's MB input rows (xs: their sub-block sums, for the formats
+// with a bias). The sink (`DotSink`: float32 inputs; `IntDotSink`: int8 levels) multiplies the
+// chunks; the bias terms are the same for both.
+template <class T, int MB, class Sink>
+GGML_TARGET void dot_row(const uint8_t* row, int64_t nblocks, Sink& sink, const float* xs, int64_t ldxs, float* out,
+                         int64_t ldo) {
   constexpr int NS = T::QK / T::SUB;
-  DotSink<T, MB> sink;
   alignas(32) float sc[NS], bias[NS];
-  sink.ldx = ldx;
   sink.sc = sc;
   __m256 bacc[MB];
   float bsum[MB];
@@ -590,7 +600,7 @@ GGML_TARGET void dot_row_avx2(const uint8_t* row, int64_t nblocks, const float* 
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* p = row + b * T::TS;
     T::params(p, sc, bias);
-    sink.x = x + b * T::QK;
+    sink.at_block(b);
     T::chunks(p, sink);
     if constexpr (T::MIN) {
       const float* xb = xs + b * NS;
@@ -611,25 +621,33 @@ GGML_TARGET void dot_row_avx2(const uint8_t* row, int64_t nblocks, const float* 
   }
 }
 
-template <class T>
-GGML_TARGET void matmul_rows_registers(const MatmulArgs& a, int64_t r0, int64_t r1) {
-  const int64_t rb = a.row_bytes(), nb = a.K / T::QK;
+// dot_row for the input rows m .. m + MB - 1 against weight row r.
+template <class T, template <class, int> class Sink, int MB>
+GGML_TARGET void dot_rows(const MatmulArgs& a, const uint8_t* row, int64_t m, int64_t r) {
   const int64_t ldxs = a.sub ? a.K / a.sub : 0;
+  Sink<T, MB> sink;
+  sink.start(a, m);
+  dot_row<T, MB>(row, a.K / T::QK, sink, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+}
+
+// out[m, r] for the weight rows [r0, r1), the input rows four at a time.
+template <class T, template <class, int> class Sink>
+GGML_TARGET void matmul_rows_registers(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  const int64_t rb = a.row_bytes();
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = a.w + r * rb;
     if (r + 2 < r1) _mm_prefetch(reinterpret_cast<const char*>(a.w + (r + 2) * rb), _MM_HINT_T0);
     int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4)
-      dot_row_avx2<T, 4>(row, nb, a.x + m * a.K, a.K, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+    for (; m + 4 <= a.M; m += 4) dot_rows<T, Sink, 4>(a, row, m, r);
     switch (a.M - m) {
       case 3:
-        dot_row_avx2<T, 3>(row, nb, a.x + m * a.K, a.K, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+        dot_rows<T, Sink, 3>(a, row, m, r);
         break;
       case 2:
-        dot_row_avx2<T, 2>(row, nb, a.x + m * a.K, a.K, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+        dot_rows<T, Sink, 2>(a, row, m, r);
         break;
       case 1:
-        dot_row_avx2<T, 1>(row, nb, a.x + m * a.K, a.K, a.xsum + m * ldxs, ldxs, a.out + m * a.N + r, a.N);
+        dot_rows<T, Sink, 1>(a, row, m, r);
         break;
     }
   }
@@ -645,6 +663,19 @@ struct IntDotSink {
   int64_t ldd;
   const float* sc;
   __m256 acc[MB];
+  const int8_t* xq0;  // input row 0's first level and scale
+  const float* xd0;
+
+  GGML_INLINE void start(const MatmulArgs& a, int64_t m) {
+    ldq = a.K;
+    ldd = a.K / 32;
+    xq0 = a.xq + m * ldq;
+    xd0 = a.xd + m * ldd;
+  }
+  GGML_INLINE void at_block(int64_t b) {
+    xq = xq0 + b * T::QK;
+    xd = xd0 + b * (T::QK / 32);
+  }
 
   GGML_INLINE void operator()(__m256i q, int i) {
     __m256 scale;
@@ -667,77 +698,6 @@ struct IntDotSink {
     (*this)(load256(reinterpret_cast<const uint8_t*>(p)), i);
   }
 };
-
-// out[m * ldo] = row . x_m for MB input rows given as int8 levels and scales (xs: their float
-// sub-block sums, for the formats with a bias).
-template <class T, int MB>
-GGML_TARGET void dot_row_int8(const uint8_t* row, int64_t nblocks, const int8_t* xq, int64_t ldq, const float* xd,
-                              int64_t ldd, const float* xs, int64_t ldxs, float* out, int64_t ldo) {
-  constexpr int NS = T::QK / T::SUB, NC = T::QK / 32;
-  IntDotSink<T, MB> sink;
-  alignas(32) float sc[NS], bias[NS];
-  sink.ldq = ldq;
-  sink.ldd = ldd;
-  sink.sc = sc;
-  __m256 bacc[MB];
-  float bsum[MB];
-  for (int m = 0; m < MB; ++m) {
-    sink.acc[m] = _mm256_setzero_ps();
-    bacc[m] = _mm256_setzero_ps();
-    bsum[m] = 0.0f;
-  }
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* p = row + b * T::TS;
-    T::params(p, sc, bias);
-    sink.xq = xq + b * T::QK;
-    sink.xd = xd + b * NC;
-    T::chunks(p, sink);
-    if constexpr (T::MIN) {
-      const float* xb = xs + b * NS;
-      for (int m = 0; m < MB; ++m) {
-        if constexpr (NS % 8 == 0) {
-          for (int v = 0; v < NS; v += 8)
-            bacc[m] = _mm256_fmadd_ps(_mm256_load_ps(bias + v), _mm256_loadu_ps(xb + m * ldxs + v), bacc[m]);
-        } else {
-          for (int v = 0; v < NS; ++v) bsum[m] += bias[v] * xb[m * ldxs + v];
-        }
-      }
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    float r = hsum(sink.acc[m]);
-    if constexpr (T::MIN) r += hsum(bacc[m]) + bsum[m];
-    out[m * ldo] = r;
-  }
-}
-
-template <class T>
-GGML_TARGET void matmul_rows_int8(const MatmulArgs& a, int64_t r0, int64_t r1) {
-  const int64_t rb = a.row_bytes(), nb = a.K / T::QK, ldd = a.K / 32;
-  const int64_t ldxs = a.sub ? a.K / a.sub : 0;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = a.w + r * rb;
-    if (r + 2 < r1) _mm_prefetch(reinterpret_cast<const char*>(a.w + (r + 2) * rb), _MM_HINT_T0);
-    int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4)
-      dot_row_int8<T, 4>(row, nb, a.xq + m * a.K, a.K, a.xd + m * ldd, ldd, a.xsum + m * ldxs, ldxs,
-                         a.out + m * a.N + r, a.N);
-    switch (a.M - m) {
-      case 3:
-        dot_row_int8<T, 3>(row, nb, a.xq + m * a.K, a.K, a.xd + m * ldd, ldd, a.xsum + m * ldxs, ldxs,
-                           a.out + m * a.N + r, a.N);
-        break;
-      case 2:
-        dot_row_int8<T, 2>(row, nb, a.xq + m * a.K, a.K, a.xd + m * ldd, ldd, a.xsum + m * ldxs, ldxs,
-                           a.out + m * a.N + r, a.N);
-        break;
-      case 1:
-        dot_row_int8<T, 1>(row, nb, a.xq + m * a.K, a.K, a.xd + m * ldd, ldd, a.xsum + m * ldxs, ldxs,
-                           a.out + m * a.N + r, a.N);
-        break;
-    }
-  }
-}
 
 // Sink of the exact dequantization: y = sc * q (+ bias), rounded as the MLX decoder rounds.
 template <class T>
@@ -842,9 +802,9 @@ struct MatmulRegisters {
   template <class T>
   static void run(const MatmulArgs& a, int64_t r0, int64_t r1) {
     if (a.xq != nullptr) {
-      matmul_rows_int8<T>(a, r0, r1);
+      matmul_rows_registers<T, IntDotSink>(a, r0, r1);
     } else {
-      matmul_rows_registers<T>(a, r0, r1);
+      matmul_rows_registers<T, DotSink>(a, r0, r1);
     }
   }
 };
