@@ -110,6 +110,9 @@ class Converter:
         if isinstance(kv_heads, list):
             raise UnsupportedConfigError(f"{header.path}: {p}attention.head_count_kv varies per layer; not supported")
         head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+        for key, value in (("attention.head_count_kv", kv_heads), ("attention.key_length (head size)", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UnsupportedConfigError(f"{header.path}: {p}{key} = {value!r}; expected a positive integer")
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = meta.get(p + "vocab_size")
         if vocab is None:
