@@ -21,13 +21,18 @@ def rope_reference(x, dims: int, traditional: bool = False, base: float = 10000.
     Args:
         x: ``[..., T, D]``; the first ``dims`` features of each position are rotated.
         traditional: rotate interleaved pairs ``(0,1), (2,3)...`` instead of halves ``(i, i + dims/2)``.
-        offset: position of the first row (an int or a 0-d int array; KV-cache decoding).
+        offset: position of the first row (an int or a 0-d int array; KV-cache decoding), or one
+            position per sequence: an int array ``[B]`` for ``x`` ``[B, ..., T, D]`` (a batch of
+            sequences of different lengths).
         freqs: optional custom frequencies (as ``mx.fast.rope``'s ``freqs``: periods, inverted here).
     """
     T = x.shape[-2]
     inv = rope_frequencies(dims, base, freqs)
-    pos = (mx.arange(T, dtype=mx.float32) + mx.array(offset).astype(mx.float32)) * scale
-    theta = pos[:, None] * inv[None, :]
+    offset = mx.array(offset).astype(mx.float32)
+    pos = (mx.arange(T, dtype=mx.float32) + offset[..., None]) * scale  # [T], or [B, T] per sequence
+    theta = pos[..., None] * inv
+    if offset.ndim == 1:  # [B, T, dims/2] -> [B, 1..., T, dims/2]
+        theta = theta.reshape(theta.shape[0], *([1] * (x.ndim - 3)), T, -1)
     cos, sin = mx.cos(theta), mx.sin(theta)
     xf = x.astype(mx.float32)
     rot, rest = xf[..., :dims], xf[..., dims:]
@@ -73,6 +78,15 @@ def rope(x, dims: int, traditional: bool = False, base: float = 10000.0, scale: 
         raise ValueError(f"rope: x must be [..., T, D], got shape {tuple(x.shape)}")
     if dims % 2 or dims <= 0 or dims > x.shape[-1]:
         raise ValueError(f"rope: dims must be even and in (0, {x.shape[-1]}], got {dims}")
+    if isinstance(offset, mx.array) and offset.ndim == 1:  # one position per sequence
+        if x.ndim < 3 or offset.shape[0] != x.shape[0]:
+            raise ValueError(f"rope: per-sequence offsets {tuple(offset.shape)} need x [B, ..., T, D] with the same "
+                             f"B, got shape {tuple(x.shape)}")
+        if device.kernels == "reference":
+            return rope_reference(x, dims, traditional, base, scale, offset, freqs)
+        if freqs is not None:
+            freqs, base = mx.array(freqs, dtype=mx.float32), None
+        return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
     if device.kernels == "reference":
         return rope_reference(x, dims, traditional, base, scale, offset, freqs)
     backend = kernel_backend(device)

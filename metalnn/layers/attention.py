@@ -66,6 +66,15 @@ class KVCache:
         self.advance(keys, values, t)
         return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
 
+    @property
+    def positions(self):
+        """The position of the next token: ``offset`` (a `BatchKVCache` gives one per row)."""
+        return self.offset
+
+    def key_mask(self):
+        """Which cached columns each row may attend to: None (all of them; see `BatchKVCache`)."""
+        return None
+
     def trim(self, n: int) -> int:
         """Forget the last ``n`` positions; returns how many were dropped."""
         n = min(self.offset, max(0, int(n)))
@@ -215,18 +224,23 @@ class SelfAttention(Layer):
         q = split_heads(q, b, t, self.num_heads, hd)
         k = split_heads(k, b, t, self.num_kv_heads, hd)
         v = split_heads(v, b, t, self.num_kv_heads, hd)
-        offset = cache.offset if cache is not None else 0
+        offset = cache.positions if cache is not None else 0
         if self.use_rope:
             rd = self.rope_dims or hd
             q = F.rope(q, rd, self.rope_traditional, self.rope_base, self.rope_scale, offset, self._rope_freqs,
                        device=device)
             k = F.rope(k, rd, self.rope_traditional, self.rope_base, self.rope_scale, offset, self._rope_freqs,
                        device=device)
+        rows_mask = None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
+            rows_mask = cache.key_mask()  # [B, 1, 1, Tk] for sequences of different lengths
         mask = None
         if self.sliding_window is not None:
             k, v, mask = self._window_mask(t, k, v)
+        if rows_mask is not None:
+            rows_mask = rows_mask[..., rows_mask.shape[-1] - k.shape[2]:]  # the columns the window kept
+            mask = rows_mask if mask is None else mx.logical_and(rows_mask, mask)
         o = F.attention(q, k, v, scale=self.scale, causal=self.causal, mask=mask, device=device)
         o = merge_heads(o, b, t)
         if gate is not None:

@@ -97,10 +97,12 @@ class GPT2Attention(Layer):
         qkv = self.compile_child(self.c_attn, device, data).array
         q, k, v = mx.split(qkv, 3, axis=-1)
         q, k, v = (split_heads(a, b, t, n, hd) for a in (q, k, v))
+        mask = None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
+            mask = cache.key_mask()  # sequences of different lengths in one batch
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(hd)
-        o = F.attention(q, k, v, scale=scale, causal=self.causal, device=device)
+        o = F.attention(q, k, v, scale=scale, causal=self.causal, mask=mask, device=device)
         o = Data(merge_heads(o, b, t), d)
         return self.compile_child(self.c_proj, device, o)
 
@@ -170,8 +172,9 @@ class GPT2Model(Layer):
 
     def forward(self, device, data, cache=None):
         x = self.compile_child(self.wte, device, data)
-        offset = cache[0].offset if cache is not None else 0
-        pos = mx.arange(offset, offset + x.dims.H, dtype=mx.int32)[None]
+        # the next position: an int, or one per sequence ([B]) for a batch of different lengths
+        start = cache[0].positions if cache is not None else 0
+        pos = mx.arange(x.dims.H, dtype=mx.int32)[None] + (start[:, None] if isinstance(start, mx.array) else start)
         p = self.compile_child(self.wpe, device, Data(pos))
         h = Data(x.array + p.array, x.dims)
         for i, block in enumerate(self.h):

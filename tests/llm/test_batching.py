@@ -1,0 +1,229 @@
+"""Continuous batching (`metalnn.llm.batching.BatchGenerator`, `metalnn.layers.batch_cache`) against
+transformers: every sequence of a batch, joining and leaving at different steps, gets the logits
+transformers computes for that sequence alone.
+
+The sampler of these tests records each row's logits and feeds back a fixed continuation (teacher
+forcing), so a sequence's logits at each step are compared with transformers' logits of the whole
+sequence without a cache. Families: Llama with GQA (the fused native decoding step with
+per-sequence first columns), Mistral with a sliding window of 3 (the window and the padding mask
+together), Qwen3 (q/k norms), GPT-2 (learned absolute positions: per-sequence position ids),
+Qwen3.5 (Gated DeltaNet recurrent states stacked by row, attention rows right-aligned); the Llama
+model also on the ``"reference"`` device (op by op: RoPE with per-sequence offsets and the padding
+mask in the attention op).
+
+Tolerance 2e-4 of the logits' scale: float32 against float32 through two or three blocks, as the
+model tests (measured ~1e-6 to 3e-5).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import metalnn as mn
+from metalnn.layers.batch_cache import BatchKVCache, keep_rows, merge_rows
+from metalnn.llm.batching import BatchGenerator
+from metalnn.llm.prefix_cache import PrefixCache
+from tests.support.hf_models import hf_logits, hf_model
+
+TOL = 2e-4
+VOCAB = 97
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
+            tie_word_embeddings=False)
+HYBRID = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, initializer_range=0.2,
+              layer_types=["linear_attention", "full_attention", "linear_attention"], tie_word_embeddings=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+FAMILIES = {
+    "llama_gqa": lambda: hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE),
+    "mistral_window": lambda: hf_model(transformers.MistralConfig, transformers.MistralForCausalLM, **BASE,
+                                       sliding_window=3),
+    "qwen3_qk_norm": lambda: hf_model(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, **BASE, head_dim=16),
+    "gpt2": lambda: hf_model(transformers.GPT2Config, transformers.GPT2LMHeadModel, vocab_size=VOCAB, n_embd=64,
+                             n_layer=2, n_head=4, n_positions=128, initializer_range=0.1),
+    "qwen3_5_hybrid": lambda: hf_model(transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, **HYBRID),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            hf = FAMILIES[name]()
+            folder = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(folder)
+            cache[name] = (hf, mn.models.load_pretrained(folder))
+        return cache[name]
+    return get
+
+
+class Forced:
+    """A sampler that records each row's logits and answers each sequence's fixed continuation."""
+
+    def __init__(self):
+        self.logits = {}
+
+    def __call__(self, sequences, logits):
+        rows = np.array(logits)
+        out = []
+        for seq, row in zip(sequences, rows):
+            self.logits.setdefault(seq.uid, []).append(row)
+            out.append(seq.state[len(seq.tokens)])
+        return out
+
+
+def run_batch(model, sequences, steps_before_join, device=None, prefill_chunk=4, prefix_cache=None):
+    """Run ``sequences`` (``(full tokens, prompt length)``) through a `BatchGenerator`; sequence i is
+    added after ``steps_before_join[i]`` steps. Returns ``{i: logits [n_new, vocab]}``."""
+    forced = Forced()
+    gen = BatchGenerator(model, sample=forced, prefill_chunk=prefill_chunk, device=device, prefix_cache=prefix_cache)
+    uids, step = {}, 0
+    pending = sorted(range(len(sequences)), key=lambda i: steps_before_join[i])
+    while pending or gen:
+        while pending and steps_before_join[pending[0]] <= step:
+            i = pending.pop(0)
+            full, p = sequences[i]
+            seq = gen.add(full[:p], max_tokens=len(full) - p + 1, state=list(full[p:]) + [0])
+            uids[i] = seq.uid
+        gen.step()
+        step += 1
+        assert step < 500
+    return {i: np.stack(forced.logits[u]) for i, u in uids.items()}
+
+
+def check(hf, got, sequences):
+    for i, (full, p) in enumerate(sequences):
+        want = hf_logits(hf, np.array([full]))[0, p - 1:]
+        assert got[i].shape == want.shape, (i, got[i].shape, want.shape)
+        err = np.abs(got[i] - want).max() / np.abs(want).max()
+        assert err < TOL, f"sequence {i}: relative error {err:.3g}"
+
+
+def make_sequences(seed, lengths, new):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, VOCAB, p + n).tolist(), p) for p, n in zip(lengths, new)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_sequences_get_their_own_logits(checkpoints, family):
+    hf, model = checkpoints(family)
+    # prompts of 3, 11, 6 and 1 tokens (11 > the batch's columns when it joins: the batch is
+    # re-padded), different lengths of continuation (rows leave at different steps), joins while
+    # others decode
+    sequences = make_sequences(1, [3, 11, 6, 1], [9, 4, 7, 5])
+    got = run_batch(model, sequences, [0, 2, 2, 7])
+    check(hf, got, sequences)
+
+
+def test_op_by_op_path_masks_padding_and_offsets_rope(checkpoints):
+    hf, model = checkpoints("llama_gqa")
+    sequences = make_sequences(2, [5, 2, 9], [6, 8, 3])
+    got = run_batch(model, sequences, [0, 1, 3], device=mn.Device(kernels="reference"))
+    check(hf, got, sequences)
+
+
+def test_prefix_cache_reuses_a_shared_beginning(checkpoints):
+    hf, model = checkpoints("llama_gqa")
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, VOCAB, 20).tolist()
+    first = (shared + rng.integers(0, VOCAB, 6).tolist(), 22)
+    second = (shared + rng.integers(0, VOCAB, 9).tolist(), 25)  # branches off after the 20 shared tokens
+    cache = PrefixCache(min_tokens=8)
+    got = run_batch(model, [first], [0], prefix_cache=cache)
+    check(hf, got, [first])
+    assert len(cache) >= 1
+    got = run_batch(model, [second], [0], prefix_cache=cache)
+    check(hf, got, [second])
+    assert cache.hits == 1 and cache.hit_tokens == 20
+    # the entry was not changed by the sequence that continued from it
+    got = run_batch(model, [first], [0], prefix_cache=cache)
+    check(hf, got, [first])
+
+
+def test_prefix_cache_of_a_hybrid_model_needs_whole_entries(checkpoints):
+    hf, model = checkpoints("qwen3_5_hybrid")
+    rng = np.random.default_rng(4)
+    turn1 = rng.integers(0, VOCAB, 12).tolist()
+    cache = PrefixCache(min_tokens=4)
+    got = run_batch(model, [(turn1 + [5, 6, 7], 12)], [0], prefix_cache=cache)
+    # stored: the prompt (12 tokens) and the prompt with the new tokens fed back (5, 6, 7; the last
+    # new token is never fed back)
+    turn2 = (turn1 + [5, 6, 7] + rng.integers(0, VOCAB, 8).tolist(), 18)
+    got = run_batch(model, [turn2], [0], prefix_cache=cache)
+    check(hf, got, [turn2])
+    assert cache.hit_tokens == 15
+    # a prompt that diverges inside an entry cannot use a recurrent state of another length
+    other = (turn1[:10] + rng.integers(0, VOCAB, 6).tolist(), 16)
+    before = cache.hits
+    check(hf, run_batch(model, [other], [0], prefix_cache=cache), [other])
+    assert cache.hits == before
+
+
+def test_merge_and_keep_rows_layout():
+    def kv(n, fill):
+        c = mn.layers.KVCache()
+        c.update_and_fetch(mx.full((1, 2, n, 4), fill, mx.float32), mx.full((1, 2, n, 4), -fill, mx.float32))
+        return [c]
+    merged = merge_rows([kv(3, 1.0), kv(5, 2.0)])[0]
+    assert isinstance(merged, BatchKVCache) and merged.offset == 5 and merged.left_padding == [2, 0]
+    assert merged.lengths == [3, 5] and merged.positions.tolist() == [3, 5]
+    keys = np.array(merged.keys)
+    assert np.all(keys[0, :, :2] == 0) and np.all(keys[0, :, 2:5] == 1) and np.all(keys[1, :, :5] == 2)
+    assert np.array(merged.key_mask())[:, 0, 0].tolist() == [[False, False, True, True, True], [True] * 5]
+    kept = keep_rows([merged], [0])[0]  # the padding no row needs any more is dropped
+    assert kept.offset == 3 and kept.left_padding == [0] and np.all(np.array(kept.keys)[0, :, :3] == 1)
+    with pytest.raises(ValueError, match="no caches"):
+        merge_rows([])
+
+
+def test_generator_limits_eos_and_cancel(checkpoints):
+    _, model = checkpoints("llama_gqa")
+    gen = BatchGenerator(model, prefill_chunk=64)
+    a = gen.add([1, 2, 3], max_tokens=3)
+    b = gen.add([4, 5], max_tokens=50)
+    c = gen.add([6], max_tokens=50)
+    events = []
+    for _ in range(3):
+        events += gen.step()
+    # a's first greedy token decides the eos id of a fourth sequence with the same prompt
+    first_a = next(e.token for e in events if e.uid == a.uid)
+    d = gen.add([1, 2, 3], max_tokens=50, eos=[first_a])
+    assert gen.cancel(c.uid) and c.finish_reason == "cancelled" and not gen.cancel(c.uid)
+    while gen:
+        events += gen.step()
+        if len(b.tokens) >= 6:
+            gen.cancel(b.uid)
+    assert a.finish_reason == "length" and len(a.tokens) == 3
+    assert d.finish_reason == "stop" and d.tokens == [first_a]
+    assert b.finish_reason == "cancelled" and len(b.tokens) == 6
+    ends = [e for e in events if e.finish_reason]
+    assert sorted(e.uid for e in ends) == sorted([a.uid, d.uid])
+    with pytest.raises(ValueError, match="empty"):
+        gen.add([], max_tokens=3)
+
+
+def test_padded_batch_decodes_in_the_fused_step(checkpoints):
+    import io
+    import re
+
+    from metalnn.cpu import decode_step as native
+    from native_platform import require_native
+
+    require_native(native.available(), "the fused decoding step")
+    _, model = checkpoints("llama_gqa")
+    groups = []
+    for n in (2, 5):
+        caches = model.make_cache()
+        model(mx.arange(n)[None], cache=caches)
+        groups.append(caches)
+    caches = merge_rows(groups)
+    assert caches[0].left_padding == [3, 0]
+    logits = model(mx.array([[1], [2]]), cache=caches)
+    buf = io.StringIO()
+    mx.export_to_dot(buf, logits)
+    assert re.findall(r'label ?= ?"([A-Za-z_]+)', buf.getvalue()).count("DecoderBlockStep") == 2
