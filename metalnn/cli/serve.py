@@ -9,14 +9,24 @@ def add_parser(commands):
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API with a chat page",
                             description=(
         "Serve one model over HTTP: GET /v1/models, POST /v1/chat/completions and /v1/completions (streaming "
-        "or not), GET /health, and a chat page at /. Requests wait in a bounded queue and are answered one at "
-        "a time; past the queue the server answers 503."))
+        "or not), GET /health, and a chat page at /. Requests are decoded together (continuous batching); "
+        "prompts that begin as an earlier one did reuse its cached computation; past the queue the server "
+        "answers 503."))
     add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     p.add_argument("--model-name", metavar="NAME", help="the model's id in the API (default: the file or folder name)")
     p.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
-                   help="requests that may wait while one is generating (default 16); more get HTTP 503")
+                   help="requests that may wait for a row of the batch (default 16); more get HTTP 503")
+    p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
+                   help="requests decoded together in one batched step (default 8)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256, metavar="N",
+                   help="prompt tokens run per step while other requests decode (default 256)")
+    p.add_argument("--prompt-cache-mb", type=int, default=1024, metavar="MB",
+                   help="memory for cached prompt prefixes, reused by prompts that begin the same way "
+                        "(default 1024; 0 turns the cache off)")
+    p.add_argument("--prompt-cache-dir", metavar="DIR",
+                   help="keep the prompt cache in this folder between runs (read at start, written at exit)")
     p.add_argument("--max-tokens", type=positive_int, default=1024, metavar="N",
                    help="new tokens of a request that gives no max_tokens (default 1024)")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, metavar="N",
@@ -30,6 +40,9 @@ def run(args):
     from ..llm.server import ServerSettings, serve
 
     settings = ServerSettings(host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue,
+                              max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                              prompt_cache_bytes=max(0, args.prompt_cache_mb) << 20,
+                              prompt_cache_dir=args.prompt_cache_dir,
                               max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
                               log_level=args.log_level)
     serve(args.model, settings)

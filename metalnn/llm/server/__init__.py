@@ -14,8 +14,11 @@ Both generation endpoints take ``max_tokens`` (chat also ``max_completion_tokens
 ``stream`` (server-sent events ending with ``data: [DONE]``) and ``stream_options.include_usage``,
 and answer with ``usage`` counts (plus ``timings``: the server's measured speeds).
 
-One worker thread generates, one request at a time, in arrival order; up to ``max_queue``
-requests wait, more are answered 503. A client that disconnects cancels its generation. Bad
+One worker thread generates every request together (continuous batching: up to ``max_batch``
+requests decode in one batched step, new ones join between steps, long prompts are run in chunks
+between steps; see `metalnn.llm.server.worker`). Prompts that begin as an earlier one did (a chat's
+next turn) start from its cached keys and values (`metalnn.llm.prefix_cache`). Up to ``max_queue``
+requests wait for a row, more are answered 503. A client that disconnects cancels its generation. Bad
 requests get a 4xx with an OpenAI-style ``{"error": {...}}`` body. SIGTERM (or Ctrl-C) stops the
 server cleanly: running answers are cut short, the worker stops, the process exits with status 0.
 
@@ -43,7 +46,11 @@ class ServerSettings:
     Attributes:
         host, port: where to listen (127.0.0.1: this machine only; port 0 picks a free port).
         model_name: the model's id in the API (default: the checkpoint's file or folder name).
-        max_queue: requests that may wait while one generates; more get HTTP 503.
+        max_queue: requests that may wait for a row of the batch; more get HTTP 503.
+        max_batch: requests decoded together (continuous batching).
+        prefill_chunk: prompt tokens run per step while other requests decode.
+        prompt_cache_bytes: memory for the prefix cache (0: off).
+        prompt_cache_dir: a folder where the prefix cache is kept between runs (None: memory only).
         max_tokens: new tokens for a request that does not say (always within the context length).
         max_body_bytes: largest request body; larger ones get HTTP 413.
         log_level: uvicorn's log level.
@@ -53,6 +60,10 @@ class ServerSettings:
     port: int = 8080
     model_name: str | None = None
     max_queue: int = 16
+    max_batch: int = 8
+    prefill_chunk: int = 256
+    prompt_cache_bytes: int = 1 << 30
+    prompt_cache_dir: str | None = None
     max_tokens: int = 1024
     max_body_bytes: int = 1 << 20
     log_level: str = "info"

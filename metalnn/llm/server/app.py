@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 
 from ... import __version__
 from ..chat_template import ChatTemplateError
+from ..prefix_cache import PrefixCache
 from ..text_generation import CANCELLED
 from . import errors
 from .errors import SERVER_ERROR, APIError, error_body
@@ -41,8 +42,12 @@ def _sse(data) -> str:
 
 
 def _usage(stream) -> dict:
-    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-            "total_tokens": stream.prompt_tokens + stream.completion_tokens}
+    usage = {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
+             "total_tokens": stream.prompt_tokens + stream.completion_tokens}
+    cached = getattr(stream, "cached_tokens", 0)
+    if cached:  # OpenAI's field for prompt tokens served from its prompt cache
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def _timings(stream) -> dict:
@@ -233,7 +238,13 @@ def create_app(model, tokenizer, settings, name: str) -> FastAPI:
 
     The generation worker starts with the application and stops with it.
     """
-    worker = GenerationWorker(model, tokenizer, settings.max_queue)
+    prefix_cache = None
+    if settings.prompt_cache_bytes:
+        prefix_cache = PrefixCache(settings.prompt_cache_bytes)
+        if settings.prompt_cache_dir:
+            prefix_cache.load(settings.prompt_cache_dir)
+    worker = GenerationWorker(model, tokenizer, settings.max_queue, max_batch=settings.max_batch,
+                              prefix_cache=prefix_cache, prefill_chunk=settings.prefill_chunk)
     generations = Generations(model, tokenizer, worker, name, settings)
     page = chat_page()
     started = int(time.time())
@@ -243,6 +254,8 @@ def create_app(model, tokenizer, settings, name: str) -> FastAPI:
         worker.start()
         yield
         await asyncio.to_thread(worker.stop)
+        if prefix_cache is not None and settings.prompt_cache_dir:
+            prefix_cache.save(settings.prompt_cache_dir)
 
     app = FastAPI(title="metalnn", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = worker

@@ -1,15 +1,20 @@
-"""`GenerationWorker`: one thread runs every generation, one request at a time, from a bounded queue.
+"""`GenerationWorker`: one thread decodes every request together, with continuous batching.
 
-MLX evaluates a model on one thread at a time, and on a small machine one generation already uses
-the cores, so requests are served in arrival order by a single worker thread instead of being
-interleaved. A `Job` carries one request's prompt and options to the worker, and the worker's
-events back to the request's event loop: ``("text", piece)`` for each piece of text, then
-``("end", stream)`` (the finished `metalnn.llm.text_generation.TextStream`, None when the job was
-cancelled before it started) or ``("error", message)``.
+MLX evaluates on the thread that builds the graph, so one worker thread runs the model. It holds
+a `metalnn.llm.batching.BatchGenerator`: each step runs one chunk of a waiting prompt and one
+decoding step of every running request as a single ``[B, 1]`` forward pass (on a small machine
+decoding is bound by reading the weights, so B requests cost little more than one). Requests join
+between steps and leave when they end; a `metalnn.llm.prefix_cache.PrefixCache` lets a prompt
+start from the keys and values an earlier request computed for the same beginning (a chat's next
+turn, a repeated system prompt).
 
-`GenerationWorker.submit` raises `QueueFull` when ``max_queue`` jobs are already waiting. A job can
-be cancelled at any time (the client left, the server is stopping): a waiting job is dropped, a
-running one stops before its next token.
+A `Job` carries one request's prompt and options to the worker, and the worker's events back to
+the request's event loop: ``("text", piece)`` for each piece of text, then ``("end", completion)``
+(a `Completion`, None when the job was cancelled before it started) or ``("error", message)``.
+
+`GenerationWorker.submit` raises `QueueFull` when ``max_queue`` jobs already wait for a row of the
+batch (``max_batch`` run at once). A job can be cancelled at any time (the client left, the server
+is stopping): a waiting job is dropped, a running one leaves the batch before the next step.
 """
 
 from __future__ import annotations
@@ -18,19 +23,58 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import Counter
+from dataclasses import dataclass, field
 
-from ..text_generation import CANCELLED, TextStream
+import mlx.core as mx
+
+from ..batching import LENGTH, STOP, BatchGenerator
+from ..generation import sample_logits
+from ..text_pieces import TextPieces
 
 log = logging.getLogger("metalnn.llm.server")
 
+CANCELLED = "cancelled"
+
 
 class QueueFull(Exception):
-    """The queue already holds ``max_queue`` waiting jobs."""
+    """``max_queue`` jobs already wait."""
 
 
 class ShuttingDown(Exception):
     """The worker is stopping and takes no new jobs."""
+
+
+@dataclass
+class Completion:
+    """What a finished request produced (the fields `metalnn.llm.text_generation.TextStream` has).
+
+    ``prompt_seconds``: from joining the worker's generator to the first new token;
+    ``generation_seconds``: from the first to the last new token; ``cached_tokens``: prompt tokens
+    taken from the prefix cache.
+    """
+
+    prompt_tokens: int
+    text: str = ""
+    tokens: list = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    cached_tokens: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        n = len(self.tokens) - 1
+        return n / self.generation_seconds if n > 0 and self.generation_seconds > 0 else 0.0
 
 
 class Job:
@@ -38,17 +82,21 @@ class Job:
 
     Args:
         prompt: the prompt's token ids.
-        options: `TextStream` keywords (``max_tokens``, ``temperature``, ``top_k``, ``top_p``,
-            ``seed``, ``stop``).
+        options: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``.
         loop: the event loop of the request (events are delivered to it thread-safely).
     """
 
     def __init__(self, prompt, options: dict, loop: asyncio.AbstractEventLoop):
         self.prompt, self.options, self.loop = list(prompt), dict(options), loop
         self.events: asyncio.Queue = asyncio.Queue()
-        self.stream: TextStream | None = None
+        self.result: Completion | None = None
         self.cancel_reason: str | None = None
         self._cancelled = threading.Event()
+        # worker-side state
+        self._pieces: TextPieces | None = None
+        self._seq = None
+        self._key = None
+        self._started = self._first = 0.0
 
     @property
     def cancelled(self) -> bool:
@@ -59,9 +107,6 @@ class Job:
         if not self._cancelled.is_set():
             self.cancel_reason = reason
             self._cancelled.set()
-        stream = self.stream
-        if stream is not None:
-            stream.cancel()
 
     def send(self, kind: str, value=None):
         """Deliver an event to the request's loop (from the worker thread)."""
@@ -71,25 +116,64 @@ class Job:
             pass
 
 
+def sample_rows(sequences, logits) -> list:
+    """Each row's token: greedy rows by one arg-max, sampled rows with their job's options and
+    their own key (split per step from the request's ``seed``, as `metalnn.generate` does, so a
+    seeded request gets the same tokens whatever else is in the batch)."""
+    jobs = [s.state for s in sequences]
+    picked = [None] * len(jobs)
+    greedy = [i for i, j in enumerate(jobs) if not j.options.get("temperature")]
+    lazy = []
+    if greedy:
+        rows = logits if len(greedy) == len(jobs) else logits[mx.array(greedy)]
+        lazy.append((greedy, mx.argmax(rows, axis=-1)))
+    for i, job in enumerate(jobs):
+        if i in greedy:
+            continue
+        sub = None
+        if job._key is not None:
+            job._key, sub = mx.random.split(job._key)
+        o = job.options
+        lazy.append(([i], sample_logits(logits[i:i + 1], o["temperature"], o.get("top_k"), o.get("top_p"), sub)))
+    mx.eval([a for _, a in lazy])
+    for rows, arr in lazy:
+        for r, t in zip(rows, arr.tolist()):
+            picked[r] = int(t)
+    return picked
+
+
 class GenerationWorker:
-    """Runs `Job` s one at a time on its own thread.
+    """Runs every `Job` on its own thread, batched.
 
     Args:
         model, tokenizer: the model and its `metalnn.llm.tokenizer.Tokenizer`.
-        max_queue: how many jobs may wait while one runs.
+        max_queue: how many jobs may wait for a row of the batch.
+        max_batch: how many jobs decode together.
+        prefix_cache: a `metalnn.llm.prefix_cache.PrefixCache` or None.
+        prefill_chunk: prompt tokens run per step while other requests decode.
     """
 
-    def __init__(self, model, tokenizer, max_queue: int = 16):
+    def __init__(self, model, tokenizer, max_queue: int = 16, *, max_batch: int = 8, prefix_cache=None,
+                 prefill_chunk: int = 256):
         self.model, self.tokenizer, self.max_queue = model, tokenizer, int(max_queue)
-        self._queue: queue.Queue = queue.Queue()
+        self.max_batch, self.prefix_cache, self.prefill_chunk = int(max_batch), prefix_cache, int(prefill_chunk)
+        self.eos = frozenset(getattr(model, "eos_token_ids", ()) or ()) | frozenset(tokenizer.eos_token_ids)
+        self._inbox: queue.Queue = queue.Queue()
         # re-entrant: cancel_all also runs from the SIGTERM handler, which may interrupt submit()
         self._lock = threading.RLock()
         self._open: set = set()  # jobs submitted and not finished
-        self._running: Job | None = None
+        self._waiting = 0        # of those, the ones without a row yet
+        self._running = 0
         self._closing = False
         self._thread: threading.Thread | None = None
         self.counts = Counter({"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0})
         self.generated_tokens = 0
+        self._generator = self._new_generator()
+        self._jobs: dict = {}  # sequence uid -> job
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(self.model, sample=sample_rows, prefill_chunk=self.prefill_chunk,
+                              max_batch=self.max_batch, prefix_cache=self.prefix_cache)
 
     def start(self):
         self._thread = threading.Thread(target=self._serve, name="metalnn-generation", daemon=True)
@@ -100,11 +184,12 @@ class GenerationWorker:
         with self._lock:
             if self._closing:
                 raise ShuttingDown()
-            if self._queue.qsize() >= self.max_queue:
+            if self._waiting >= self.max_queue:
                 self.counts["rejected"] += 1
                 raise QueueFull()
             self._open.add(job)
-            self._queue.put(job)
+            self._waiting += 1
+            self._inbox.put(job)
 
     def cancel_all(self, reason: str = "shutdown"):
         """Take no new jobs and cancel every waiting and running one."""
@@ -117,47 +202,118 @@ class GenerationWorker:
     def stop(self, timeout: float = 30.0):
         """Cancel everything and wait for the thread to end."""
         self.cancel_all()
-        self._queue.put(None)
+        self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
 
     def status(self) -> dict:
         with self._lock:
-            return {"running": int(self._running is not None), "waiting": self._queue.qsize(),
-                    "max_queue": self.max_queue, **self.counts, "generated_tokens": self.generated_tokens}
+            return {"running": self._running, "waiting": self._waiting, "max_queue": self.max_queue,
+                    "max_batch": self.max_batch, **self.counts, "generated_tokens": self.generated_tokens}
 
+    # -- the worker thread ---------------------------------------------------------------------
     def _serve(self):
+        stopping = False
         while True:
-            job = self._queue.get()
-            if job is None:
+            stopping = self._take_new(block=not self._jobs and not stopping) or stopping
+            self._drop_cancelled()
+            if stopping and not self._jobs:
                 return
-            with self._lock:
-                self._running = job
+            if not self._jobs:
+                continue
             try:
-                outcome = self._run(job)
-            finally:
-                with self._lock:
-                    self._running = None
-                    self._open.discard(job)
-                    self.counts[outcome] += 1
-                    if job.stream is not None:
-                        self.generated_tokens += job.stream.completion_tokens
+                events = self._generator.step()
+            except Exception as e:  # every job of the batch fails; the worker goes on with new ones
+                log.exception("generation failed")
+                for job in list(self._jobs.values()):
+                    job.send("error", f"generation failed: {type(e).__name__}: {e}")
+                    self._finish(job, "failed", waiting=not job.result.tokens)
+                self._jobs.clear()
+                self._generator = self._new_generator()
+                continue
+            now = time.perf_counter()
+            for event in events:
+                self._deliver(event, now)
+            self._count()
 
-    def _run(self, job: Job) -> str:
-        if job.cancelled:
-            job.send("end", None)
-            return "cancelled"
-        options = dict(job.options)
-        try:
-            stream = TextStream(self.model, self.tokenizer, job.prompt, options.pop("max_tokens"), **options)
-            job.stream = stream
-            if job.cancelled:  # cancelled while the stream was being made
-                stream.cancel()
-            for piece in stream:
-                job.send("text", piece)
-        except Exception as e:  # reported to the client; the worker goes on with the next job
-            log.exception("generation failed")
-            job.send("error", f"generation failed: {type(e).__name__}: {e}")
-            return "failed"
-        job.send("end", stream)
-        return "cancelled" if stream.finish_reason == CANCELLED else "completed"
+    def _take_new(self, block: bool) -> bool:
+        """Move submitted jobs into the generator; True once the stop sentinel arrived."""
+        stopping = False
+        while True:
+            try:
+                job = self._inbox.get(block=block, timeout=None)
+            except queue.Empty:
+                return stopping
+            block = False
+            if job is None:
+                stopping = True
+                continue
+            if job.cancelled:
+                job.send("end", None)
+                self._finish(job, "cancelled", waiting=True)
+                continue
+            o = job.options
+            job._pieces = TextPieces(self.tokenizer, o.get("stop") or (), self.eos)
+            job._key = mx.random.key(o["seed"]) if o.get("seed") is not None else None
+            job._started = time.perf_counter()
+            job.result = Completion(prompt_tokens=len(job.prompt))
+            seq = self._generator.add(job.prompt, o["max_tokens"], eos=self.eos, state=job)
+            self._jobs[seq.uid] = job
+            job._seq = seq
+
+    def _drop_cancelled(self):
+        for uid, job in list(self._jobs.items()):
+            if job.cancelled:
+                self._generator.cancel(uid)
+                del self._jobs[uid]
+                job.result.finish_reason = CANCELLED
+                job.send("end", job.result)
+                self._finish(job, "cancelled", waiting=not job.result.tokens)
+        self._count()
+
+    def _deliver(self, event, now: float):
+        job = self._jobs.get(event.uid)
+        if job is None:
+            return
+        r = job.result
+        if not r.tokens:
+            job._first = now
+            r.prompt_seconds = now - job._started
+            r.cached_tokens = job._seq.cached_prefix
+            with self._lock:
+                self._waiting -= 1
+        r.tokens.append(event.token)
+        r.generation_seconds = now - job._first
+        piece = job._pieces.feed(event.token)
+        if piece:
+            job.send("text", piece)
+        reason = event.finish_reason
+        if job._pieces.stopped and reason is None:  # a stop string
+            self._generator.cancel(event.uid)
+            reason = STOP
+        if reason is None:
+            return
+        if reason == LENGTH:
+            rest = job._pieces.flush()
+            if rest:
+                job.send("text", rest)
+        r.text, r.finish_reason = job._pieces.text, reason
+        del self._jobs[event.uid]
+        job.send("end", r)
+        self._finish(job, "completed")
+
+    def _finish(self, job: Job, outcome: str, waiting: bool = False):
+        with self._lock:
+            self._open.discard(job)
+            self.counts[outcome] += 1
+            if waiting:
+                self._waiting -= 1
+            if job.result is not None:
+                self.generated_tokens += len(job.result.tokens)
+
+    def _count(self):
+        with self._lock:
+            self._running = len(self._jobs) - self._waiting_in_generator()
+
+    def _waiting_in_generator(self) -> int:
+        return sum(1 for job in self._jobs.values() if not job.result.tokens)

@@ -276,9 +276,10 @@ def test_client_disconnect_stops_a_whole_answer(server):
 
 
 def test_full_queue_answers_503_and_sigterm_stops_cleanly(tiny, tmp_path):
-    """A server with room for one waiting request: a third concurrent request gets 503. Then SIGTERM
+    """A server that decodes one request at a time with room for one waiting request: a third
+    concurrent request gets 503. Then SIGTERM
     while both generate/wait: the process ends promptly with status 0, the streams end, no traceback."""
-    with running_server(tiny, tmp_path / "logs", "--max-queue", "1") as server:
+    with running_server(tiny, tmp_path / "logs", "--max-queue", "1", "--max-batch", "1") as server:
         client = openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)
         messages = [{"role": "user", "content": "Talk for a long time"}]
         running = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3000, temperature=0,
