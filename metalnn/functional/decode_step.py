@@ -134,17 +134,14 @@ def decoder_block_step(x, step: BlockStep, cache, device=None):
         return None
     p = _prepared(step)
     keys, values = cache.buffers_for(x.shape[0], step.kv_heads, step.head_dim, 1, mx.float32)
-    pos = cache.offset
-    padding = getattr(cache, "left_padding", None)  # a `BatchKVCache` of sequences of different lengths
-    starts = mx.array(padding, dtype=mx.int32) if padding and any(padding) else None
+    # a `BatchKVCache` of sequences of different lengths: each row at its own position
+    positions = cache.positions if getattr(cache, "ragged", False) else None
     out, k_new, v_new = native.decoder_block_step(
         x, step.gains, p["weights"], p["types"], p["biases"], keys, values, p["inv_freq"], offset=cache.offset,
         heads=step.heads, kv_heads=step.kv_heads, head_dim=step.head_dim, rope_dims=step.rope_dims,
         rope_traditional=step.rope_traditional, rope_scale=step.rope_scale, attn_scale=p["scale"], eps=step.eps,
-        qk_gains=step.qk_gains, qk_eps=step.qk_eps, window=step.window, activation=step.activation, starts=starts)
-    # MLX's slice update writes into the buffers themselves once the step has read them (nothing
-    # else holds them then), as the op-by-op path's cache update does
-    keys[:, :, pos:pos + 1, :] = k_new
-    values[:, :, pos:pos + 1, :] = v_new
-    cache.advance(keys, values, 1)
+        qk_gains=step.qk_gains, qk_eps=step.qk_eps, window=step.window, activation=step.activation, positions=positions)
+    # MLX writes into the buffers themselves once the step has read them (nothing else holds them
+    # then), as the op-by-op path's cache update does
+    cache.write_rows(k_new, v_new)
     return out

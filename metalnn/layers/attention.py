@@ -71,8 +71,17 @@ class KVCache:
         """The position of the next token: ``offset`` (a `BatchKVCache` gives one per row)."""
         return self.offset
 
-    def key_mask(self):
-        """Which cached columns each row may attend to: None (all of them; see `BatchKVCache`)."""
+    def write_rows(self, k, v):
+        """Write one new position ``k``, ``v`` ``[B, Hkv, 1, head_dim]`` at ``offset`` of the buffers of
+        `buffers_for` (in place once nothing else holds them) and count it."""
+        n = self.offset
+        self.keys[:, :, n:n + 1, :] = k
+        self.values[:, :, n:n + 1, :] = v
+        self.offset += 1
+
+    def key_mask(self, t: int = 1, window: int | None = None):
+        """Which cached columns each query may attend to beyond the causal mask: None (one sequence,
+        or sequences of one length; see `BatchKVCache`)."""
         return None
 
     def trim(self, n: int) -> int:
@@ -231,16 +240,13 @@ class SelfAttention(Layer):
                        device=device)
             k = F.rope(k, rd, self.rope_traditional, self.rope_base, self.rope_scale, offset, self._rope_freqs,
                        device=device)
-        rows_mask = None
+        mask = None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-            rows_mask = cache.key_mask()  # [B, 1, 1, Tk] for sequences of different lengths
-        mask = None
-        if self.sliding_window is not None:
+            # sequences of different lengths: [B, 1, t, Tk], each row's causal past (and window)
+            mask = cache.key_mask(t, self.sliding_window)
+        if mask is None and self.sliding_window is not None:
             k, v, mask = self._window_mask(t, k, v)
-        if rows_mask is not None:
-            rows_mask = rows_mask[..., rows_mask.shape[-1] - k.shape[2]:]  # the columns the window kept
-            mask = rows_mask if mask is None else mx.logical_and(rows_mask, mask)
         o = F.attention(q, k, v, scale=self.scale, causal=self.causal, mask=mask, device=device)
         o = merge_heads(o, b, t)
         if gate is not None:

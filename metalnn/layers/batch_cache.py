@@ -5,11 +5,13 @@ A server decodes every running request in one batched step. Each request's promp
 alone into its own caches (`KVCache`, `GatedDeltaCache`); `merge_rows` then adds those rows to the
 batch's caches, and `keep_rows` drops the rows of finished requests.
 
-Attention caches are right-aligned: row ``b`` holds its positions in columns
-``[left_padding[b], offset)`` of the buffers ``[B, Hkv, capacity, head_dim]``. Every row's next
-position is written at column ``offset`` at once (as `KVCache` does), RoPE gives row ``b`` the
-position ``offset - left_padding[b]`` (`BatchKVCache.positions`), and the padding columns are masked
-(`BatchKVCache.key_mask`). Recurrent states (`GatedDeltaCache`) have no positions: their rows stack.
+Attention caches are left-aligned: row ``b`` holds its positions in columns ``[0, lengths[b])`` of
+the buffers ``[B, Hkv, capacity, head_dim]``. New positions are written at each row's own column
+(one in-place scatter), RoPE gives row ``b`` the positions from ``lengths[b]`` on
+(`BatchKVCache.positions`), and `BatchKVCache.key_mask` hides from each query the columns past its
+own position. Rows never move: a row that joins, leaves or takes back positions (speculative
+decoding's rejected drafts, `BatchKVCache.rewind`) costs no copy of the others. Recurrent states
+(`GatedDeltaCache`) have no positions: their rows stack.
 """
 
 from __future__ import annotations
@@ -24,89 +26,165 @@ from .gated_deltanet import GatedDeltaCache
 __all__ = ["BatchKVCache", "merge_rows", "keep_rows"]
 
 
+def _capacity(n: int) -> int:
+    """Columns for ``n`` positions and room for more: a multiple of ``KVCache.step`` above ``n``."""
+    return ((n + KVCache.step) // KVCache.step) * KVCache.step
+
+
 class BatchKVCache(KVCache):
-    """Keys and values of B sequences of different lengths, right-aligned (see the module docstring).
+    """Keys and values of B sequences of different lengths, left-aligned (see the module docstring).
 
     Args:
         keys, values: ``[B, Hkv, capacity, head_dim]`` buffers (None for an empty cache).
-        offset: the columns in use (the next position's column).
-        left_padding: the padding columns before each row's first position, ``B`` ints.
+        lengths: each row's number of positions (``B`` ints, each at most ``capacity``).
+
+    ``offset`` is the longest row's length (the columns any row uses).
     """
 
-    def __init__(self, keys=None, values=None, offset: int = 0, left_padding: Sequence[int] = ()):
+    def __init__(self, keys=None, values=None, lengths: Sequence[int] = ()):
         super().__init__()
-        self.keys, self.values, self.offset = keys, values, int(offset)
-        self.left_padding = [int(p) for p in left_padding]
-        if keys is not None and keys.shape[0] != len(self.left_padding):
-            raise ValueError(f"BatchKVCache: {keys.shape[0]} rows of keys but {len(self.left_padding)} paddings")
-        if any(p < 0 or p > self.offset for p in self.left_padding):
-            raise ValueError(f"BatchKVCache: paddings {self.left_padding} must lie in [0, offset={self.offset}]")
+        self.keys, self.values = keys, values
+        self.lengths = [int(n) for n in lengths]
+        if keys is not None and keys.shape[0] != len(self.lengths):
+            raise ValueError(f"BatchKVCache: {keys.shape[0]} rows of keys but {len(self.lengths)} lengths")
+        cap = keys.shape[2] if keys is not None else 0
+        if any(n < 0 or n > cap for n in self.lengths):
+            raise ValueError(f"BatchKVCache: lengths {self.lengths} must lie in [0, capacity={cap}]")
+        self._before = list(self.lengths)  # the lengths before the last update (what key_mask needs)
+
+    @property
+    def offset(self) -> int:
+        return max(self.lengths, default=0)
+
+    @offset.setter
+    def offset(self, value):  # (KVCache.__init__ assigns it; the lengths decide)
+        pass
 
     @property
     def batch_size(self) -> int:
-        return len(self.left_padding)
-
-    @property
-    def lengths(self) -> list:
-        """Each row's number of positions."""
-        return [self.offset - p for p in self.left_padding]
+        return len(self.lengths)
 
     @property
     def positions(self):
         """Each row's next position, int32 ``[B]`` (RoPE's per-sequence offsets)."""
         return mx.array(self.lengths, dtype=mx.int32)
 
-    def key_mask(self):
-        """bool ``[B, 1, 1, offset]``: True where a row has a position (None when no row is padded)."""
-        if not any(self.left_padding):
+    @property
+    def ragged(self) -> bool:
+        """Whether the rows have different lengths."""
+        return len(set(self.lengths)) > 1
+
+    def update_and_fetch(self, k, v):
+        """Append ``k``, ``v`` ``[B, Hkv, T, head_dim]`` after each row's positions; return the keys
+        and values of columns ``[0, offset)`` (columns past a row's length are hidden by `key_mask`)."""
+        b, t = k.shape[0], k.shape[2]
+        if b != len(self.lengths):
+            raise ValueError(f"BatchKVCache: {b} rows of new keys for a cache of {len(self.lengths)} rows")
+        self._before = list(self.lengths)
+        need = max(self.lengths) + t
+        if self.keys is None or need > self.keys.shape[2]:
+            cap, old = _capacity(need), self.keys
+            shape = (b, k.shape[1], cap, k.shape[3])
+            nk, nv = mx.zeros(shape, k.dtype), mx.zeros(shape, k.dtype)
+            if old is not None and self.offset:
+                nk[..., :self.offset, :] = self.keys[..., :self.offset, :]
+                nv[..., :self.offset, :] = self.values[..., :self.offset, :]
+            self.keys, self.values = nk, nv
+        if not self.ragged:
+            n = self.lengths[0]
+            self.keys[..., n:n + t, :] = k
+            self.values[..., n:n + t, :] = v
+        else:  # each row at its own columns: one scatter (in place once nothing else holds the buffer)
+            cols = mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(t, dtype=mx.int32)[None, :]
+            idx = mx.broadcast_to(cols[:, None, :, None], k.shape)
+            self.keys = mx.put_along_axis(self.keys, idx, k, axis=2)
+            self.values = mx.put_along_axis(self.values, idx, v, axis=2)
+        self.lengths = [n + t for n in self.lengths]
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype):
+        """The buffers with room for ``t`` more positions after the longest row (see `KVCache`)."""
+        if self.keys is None or self.offset + t > self.keys.shape[2]:
+            shape = (batch, kv_heads, _capacity(self.offset + t), head_dim)
+            nk, nv = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+            if self.keys is not None and self.offset:
+                nk[..., :self.offset, :] = self.keys[..., :self.offset, :]
+                nv[..., :self.offset, :] = self.values[..., :self.offset, :]
+            self.keys, self.values = nk, nv
+        return self.keys, self.values
+
+    def write_rows(self, k, v):
+        """Write one new position ``k``, ``v`` ``[B, Hkv, 1, head_dim]`` at each row's own column of
+        the buffers of `buffers_for` (in place) and count it."""
+        if not self.ragged:
+            n = self.lengths[0]
+            self.keys[:, :, n:n + 1, :] = k
+            self.values[:, :, n:n + 1, :] = v
+        else:
+            idx = mx.broadcast_to(mx.array(self.lengths, dtype=mx.int32)[:, None, None, None], k.shape)
+            self.keys = mx.put_along_axis(self.keys, idx, k, axis=2)
+            self.values = mx.put_along_axis(self.values, idx, v, axis=2)
+        self._before = list(self.lengths)
+        self.lengths = [n + 1 for n in self.lengths]
+
+    def key_mask(self, t: int = 1, window: int | None = None):
+        """After an update of ``t`` positions: bool ``[B, 1, t, offset]``, True where query ``i`` of
+        row ``b`` may attend (its own causal past, within ``window`` positions when given); None when
+        every row has the same length (the attention's own causal mask and window then apply)."""
+        if len(set(self._before)) <= 1:
             return None
-        cols = mx.arange(self.offset, dtype=mx.int32)
-        return (cols[None, :] >= mx.array(self.left_padding, dtype=mx.int32)[:, None])[:, None, None, :]
+        cols = mx.arange(self.offset, dtype=mx.int32)[None, None, :]                      # [1, 1, Tk]
+        last = mx.array(self._before, dtype=mx.int32)[:, None, None] + mx.arange(t, dtype=mx.int32)[None, :, None]
+        mask = cols <= last                                                                 # [B, t, Tk]
+        if window is not None:
+            mask = mx.logical_and(mask, cols > last - window)
+        return mask[:, None]
+
+    def rewind(self, counts: Sequence[int]):
+        """Forget the last ``counts[b]`` positions of each row b (e.g. rejected draft tokens)."""
+        if len(counts) != len(self.lengths):
+            raise ValueError(f"BatchKVCache.rewind: {len(counts)} counts for {len(self.lengths)} rows")
+        self.lengths = [n - min(n, max(0, int(c))) for n, c in zip(self.lengths, counts)]
+        self._before = list(self.lengths)
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` columns of every row (at most the shortest row's length)."""
+        """Forget the last ``n`` positions of every row (at most the shortest row's length)."""
         n = min(min(self.lengths, default=0), max(0, int(n)))
-        self.offset -= n
+        self.rewind([n] * len(self.lengths))
         return n
 
     def reset(self):
-        super().reset()
-        self.left_padding = []
+        self.keys = self.values = None
+        self.lengths, self._before = [], []
 
     @property
     def state(self):
         return [] if self.keys is None else [self.keys[..., :self.offset, :], self.values[..., :self.offset, :]]
 
     def __repr__(self):
-        return f"BatchKVCache(offset={self.offset}, left_padding={self.left_padding})"
+        return f"BatchKVCache(lengths={self.lengths})"
 
 
 def _kv_rows(cache) -> tuple:
-    """``(keys, values, offset, left_padding)`` of a `KVCache` or `BatchKVCache` (keys trimmed to offset)."""
+    """``(keys, values, lengths)`` of a `KVCache` or `BatchKVCache` (keys cut at its longest row)."""
     if cache.keys is None:
-        return None, None, 0, []
-    pads = list(cache.left_padding) if isinstance(cache, BatchKVCache) else [0] * cache.keys.shape[0]
-    return cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :], cache.offset, pads
-
-
-def _aligned(parts, offset: int, capacity: int):
-    """Concatenate ``(array [b, H, o, hd], o)`` parts along the batch axis, each right-aligned to
-    column ``offset`` of a new ``capacity``-column buffer."""
-    padded = [mx.pad(a, [(0, 0), (0, 0), (offset - o, capacity - offset), (0, 0)]) for a, o in parts]
-    return mx.concatenate(padded, axis=0) if len(padded) > 1 else padded[0]
+        return None, None, []
+    lengths = list(cache.lengths) if isinstance(cache, BatchKVCache) else [cache.offset] * cache.keys.shape[0]
+    n = max(lengths)
+    return cache.keys[..., :n, :], cache.values[..., :n, :], lengths
 
 
 def _merge_kv(caches) -> BatchKVCache:
-    rows = [_kv_rows(c) for c in caches]
-    rows = [r for r in rows if r[0] is not None]
+    rows = [r for r in (_kv_rows(c) for c in caches) if r[0] is not None]
     if not rows:
         return BatchKVCache()
-    offset = max(r[2] for r in rows)
-    capacity = ((offset + KVCache.step) // KVCache.step) * KVCache.step  # room for the next position
-    keys = _aligned([(r[0], r[2]) for r in rows], offset, capacity)
-    values = _aligned([(r[1], r[2]) for r in rows], offset, capacity)
-    pads = [p + offset - r[2] for r in rows for p in r[3]]
-    return BatchKVCache(keys, values, offset, pads)
+    longest = max(max(r[2]) for r in rows)
+    cap = _capacity(longest)
+
+    def stack(i):
+        parts = [mx.pad(r[i], [(0, 0), (0, 0), (0, cap - r[i].shape[2]), (0, 0)]) for r in rows]
+        return mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    return BatchKVCache(stack(0), stack(1), [n for r in rows for n in r[2]])
 
 
 def _merge_recurrent(caches) -> GatedDeltaCache:
@@ -142,8 +220,8 @@ def merge_rows(caches_per_group: Sequence[list]) -> list:
 
 
 def keep_rows(caches: list, rows: Sequence[int]) -> list:
-    """The per-layer caches of ``caches`` (a merged list) restricted to ``rows`` (in that order);
-    padding columns no remaining row uses are dropped."""
+    """The per-layer caches of ``caches`` (a merged list) restricted to ``rows`` (in that order), in
+    new buffers sized for the longest remaining row."""
     rows = [int(r) for r in rows]
     if not rows:
         return [type(c)() if isinstance(c, GatedDeltaCache) else BatchKVCache() for c in caches]
@@ -157,14 +235,14 @@ def keep_rows(caches: list, rows: Sequence[int]) -> list:
                 kept.offset = c.offset
             out.append(kept)
             continue
-        keys, values, offset, pads = _kv_rows(c)
+        keys, values, lengths = _kv_rows(c)
         if keys is None:
             out.append(BatchKVCache())
             continue
-        pads = [pads[r] for r in rows]
-        drop = min(pads)
-        capacity = ((offset - drop + KVCache.step) // KVCache.step) * KVCache.step
-        k = mx.pad(keys[idx][..., drop:, :], [(0, 0), (0, 0), (0, capacity - offset + drop), (0, 0)])
-        v = mx.pad(values[idx][..., drop:, :], [(0, 0), (0, 0), (0, capacity - offset + drop), (0, 0)])
-        out.append(BatchKVCache(k, v, offset - drop, [p - drop for p in pads]))
+        lengths = [lengths[r] for r in rows]
+        cap = _capacity(max(lengths))
+        used = min(cap, keys.shape[2])
+        k = mx.pad(keys[idx][..., :used, :], [(0, 0), (0, 0), (0, cap - used), (0, 0)])
+        v = mx.pad(values[idx][..., :used, :], [(0, 0), (0, 0), (0, cap - used), (0, 0)])
+        out.append(BatchKVCache(k, v, lengths))
     return out

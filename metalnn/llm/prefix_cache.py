@@ -67,7 +67,7 @@ def _own(a):
 
 def _single(cache, n: int):
     """A fresh cache of one sequence holding the first ``n`` positions of ``cache`` (a one-row
-    `KVCache` / `BatchKVCache` without padding, or a `GatedDeltaCache` of exactly ``n`` tokens)."""
+    `KVCache` / `BatchKVCache`, or a `GatedDeltaCache` of exactly ``n`` tokens)."""
     if isinstance(cache, GatedDeltaCache):
         out = GatedDeltaCache()
         out.conv_state, out.recurrent_state, out.offset = _own(cache.conv_state), _own(cache.recurrent_state), n
@@ -109,9 +109,10 @@ class PrefixCache:
         if len(tokens) < self.min_tokens:
             return False
         for c in caches:
-            pads = getattr(c, "left_padding", None)
-            if pads is not None and (len(pads) != 1 or pads[0]):
-                raise ValueError(f"PrefixCache.store: one unpadded sequence's caches are needed, got paddings {pads}")
+            lengths = getattr(c, "lengths", None)
+            if lengths is not None and lengths != [len(tokens)]:
+                raise ValueError(f"PrefixCache.store: one sequence of {len(tokens)} positions is needed, got lengths "
+                                 f"{lengths}")
         entry = _Entry(tokens, [_single(c, len(tokens)) for c in caches])
         if entry.nbytes > self.max_bytes:
             return False

@@ -7,9 +7,9 @@ forcing), so a sequence's logits at each step are compared with transformers' lo
 sequence without a cache. Families: Llama with GQA (the fused native decoding step with
 per-sequence first columns), Mistral with a sliding window of 3 (the window and the padding mask
 together), Qwen3 (q/k norms), GPT-2 (learned absolute positions: per-sequence position ids),
-Qwen3.5 (Gated DeltaNet recurrent states stacked by row, attention rows right-aligned); the Llama
-model also on the ``"reference"`` device (op by op: RoPE with per-sequence offsets and the padding
-mask in the attention op).
+Qwen3.5 (Gated DeltaNet recurrent states stacked by row, attention rows left-aligned); the Llama model
+also on the ``"reference"`` device (op by op: RoPE with per-sequence offsets, each row's causal mask
+in the attention op).
 
 Tolerance 2e-4 of the logits' scale: float32 against float32 through two or three blocks, as the
 model tests (measured ~1e-6 to 3e-5).
@@ -112,15 +112,14 @@ def make_sequences(seed, lengths, new):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_batched_sequences_get_their_own_logits(checkpoints, family):
     hf, model = checkpoints(family)
-    # prompts of 3, 11, 6 and 1 tokens (11 > the batch's columns when it joins: the batch is
-    # re-padded), different lengths of continuation (rows leave at different steps), joins while
-    # others decode
+    # prompts of 3, 11, 6 and 1 tokens (11 > the batch's columns when it joins: the buffers grow),
+    # different lengths of continuation (rows leave at different steps), joins while others decode
     sequences = make_sequences(1, [3, 11, 6, 1], [9, 4, 7, 5])
     got = run_batch(model, sequences, [0, 2, 2, 7])
     check(hf, got, sequences)
 
 
-def test_op_by_op_path_masks_padding_and_offsets_rope(checkpoints):
+def test_op_by_op_path_masks_each_row_and_offsets_rope(checkpoints):
     hf, model = checkpoints("llama_gqa")
     sequences = make_sequences(2, [5, 2, 9], [6, 8, 3])
     got = run_batch(model, sequences, [0, 1, 3], device=mn.Device(kernels="reference"))
@@ -170,13 +169,25 @@ def test_merge_and_keep_rows_layout():
         c.update_and_fetch(mx.full((1, 2, n, 4), fill, mx.float32), mx.full((1, 2, n, 4), -fill, mx.float32))
         return [c]
     merged = merge_rows([kv(3, 1.0), kv(5, 2.0)])[0]
-    assert isinstance(merged, BatchKVCache) and merged.offset == 5 and merged.left_padding == [2, 0]
-    assert merged.lengths == [3, 5] and merged.positions.tolist() == [3, 5]
+    assert isinstance(merged, BatchKVCache) and merged.offset == 5 and merged.lengths == [3, 5]
+    assert merged.positions.tolist() == [3, 5] and merged.ragged
     keys = np.array(merged.keys)
-    assert np.all(keys[0, :, :2] == 0) and np.all(keys[0, :, 2:5] == 1) and np.all(keys[1, :, :5] == 2)
-    assert np.array(merged.key_mask())[:, 0, 0].tolist() == [[False, False, True, True, True], [True] * 5]
-    kept = keep_rows([merged], [0])[0]  # the padding no row needs any more is dropped
-    assert kept.offset == 3 and kept.left_padding == [0] and np.all(np.array(kept.keys)[0, :, :3] == 1)
+    assert np.all(keys[0, :, :3] == 1) and np.all(keys[0, :, 3:] == 0) and np.all(keys[1, :, :5] == 2)
+    # two new positions: each row writes at its own columns, each query sees its own past
+    merged.update_and_fetch(mx.full((2, 2, 2, 4), 7.0), mx.full((2, 2, 2, 4), -7.0))
+    assert merged.lengths == [5, 7]
+    keys = np.array(merged.keys)
+    assert np.all(keys[0, :, 3:5] == 7) and np.all(keys[0, :, 5:7] == 0) and np.all(keys[1, :, 5:7] == 7)
+    mask = np.array(merged.key_mask(2))[:, 0]
+    assert mask.shape == (2, 2, 7)
+    assert mask[0].tolist() == [[True] * 4 + [False] * 3, [True] * 5 + [False] * 2]
+    assert mask[1].tolist() == [[True] * 6 + [False], [True] * 7]
+    window = np.array(merged.key_mask(2, window=2))[:, 0]
+    assert window[0, 1].tolist() == [False] * 3 + [True] * 2 + [False] * 2
+    merged.rewind([1, 0])
+    assert merged.lengths == [4, 7]
+    kept = keep_rows([merged], [0])[0]
+    assert kept.lengths == [4] and not kept.ragged and np.all(np.array(kept.keys)[0, :, 3] == 7)
     with pytest.raises(ValueError, match="no caches"):
         merge_rows([])
 
@@ -207,7 +218,7 @@ def test_generator_limits_eos_and_cancel(checkpoints):
         gen.add([], max_tokens=3)
 
 
-def test_padded_batch_decodes_in_the_fused_step(checkpoints):
+def test_ragged_batch_decodes_in_the_fused_step(checkpoints):
     import io
     import re
 
@@ -222,7 +233,7 @@ def test_padded_batch_decodes_in_the_fused_step(checkpoints):
         model(mx.arange(n)[None], cache=caches)
         groups.append(caches)
     caches = merge_rows(groups)
-    assert caches[0].left_padding == [3, 0]
+    assert caches[0].lengths == [2, 5]
     logits = model(mx.array([[1], [2]]), cache=caches)
     buf = io.StringIO()
     mx.export_to_dot(buf, logits)

@@ -100,7 +100,7 @@ class GPT2Attention(Layer):
         mask = None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-            mask = cache.key_mask()  # sequences of different lengths in one batch
+            mask = cache.key_mask(t)  # sequences of different lengths in one batch
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(hd)
         o = F.attention(q, k, v, scale=scale, causal=self.causal, mask=mask, device=device)
         o = Data(merge_heads(o, b, t), d)

@@ -59,9 +59,9 @@ constexpr const char* kProjectionNames[kProjections] = {"q_proj", "k_proj", "v_p
 
 // Inputs before the optional ones: x, the two norm gains, the seven weights, the two cache
 // buffers and the RoPE inverse frequencies. Then one bias per projection that has one (in
-// projection order), then the q and k norm gains when qk_norm, then with row_starts each sequence's
-// first cache column (int32 [B]: the columns before it are padding of a batch of sequences of
-// different lengths; the sequence's new position is offset - start).
+// projection order), then the q and k norm gains when qk_norm, then with row_positions each
+// sequence's own position (int32 [B]: a batch of sequences of different lengths, each left-aligned
+// in the cache; sequence m reads its columns before positions[m] instead of before offset).
 enum Input { kX = 0, kGain1, kGain2, kWeights, kKCache = kWeights + kProjections, kVCache, kInvFreq, kFixedInputs };
 
 constexpr int64_t kGrainWork = 1 << 16;  // work below which a chunk is not worth another thread
@@ -76,7 +76,7 @@ struct BlockSpec {
   std::array<int, kProjections> types{};  // GGML type id, or -1 for a float32 weight
   std::array<bool, kProjections> bias{};
   int offset = 0;  // position of the new token (cached positions before it)
-  bool row_starts = false;  // an int32 [B] input gives each sequence's first column
+  bool row_positions = false;  // an int32 [B] input gives each sequence's position
 
   bool operator==(const BlockSpec&) const = default;
 
@@ -88,11 +88,11 @@ struct BlockSpec {
   int qk_norm_input() const {
     return bias_input(kProjections);
   }
-  int starts_input() const {
+  int positions_input() const {
     return qk_norm_input() + (qk_norm ? 2 : 0);
   }
   int num_inputs() const {
-    return starts_input() + (row_starts ? 1 : 0);
+    return positions_input() + (row_positions ? 1 : 0);
   }
 };
 
@@ -232,20 +232,21 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
     rms_norm_rows(q.data(), floats(sp.qk_norm_input()), sp.qk_eps, M * H, hd, q.data());
     rms_norm_rows(k.data(), floats(sp.qk_norm_input() + 1), sp.qk_eps, M * G, hd, k.data());
   }
-  // each sequence's first cache column (0 unless the batch holds sequences of different lengths)
-  const int32_t* starts = sp.row_starts ? static_cast<const int32_t*>(data[sp.starts_input()]) : nullptr;
-  // (clamped to [0, offset]: a start outside it must not make the attention read outside the cache)
-  const auto first_column = [&](int64_t m) {
-    return starts ? std::clamp<int64_t>(starts[m], 0, pos) : int64_t(0);
+  // each sequence's position (offset unless the batch holds sequences of different lengths),
+  // clamped to the cache: a position outside it must not make the attention read outside it
+  const int32_t* positions =
+      sp.row_positions ? static_cast<const int32_t*>(data[sp.positions_input()]) : nullptr;
+  const auto position = [&](int64_t m) {
+    return positions ? std::clamp<int64_t>(positions[m], 0, cap - 1) : pos;
   };
   if (sp.rope_dims > 0) {
-    // theta = position * scale * inv_freq in float32, as MLX's rope; position = offset - start
+    // theta = position * scale * inv_freq in float32, as MLX's rope
     const int half = sp.rope_dims / 2;
     const float* inv = floats(kInvFreq);
     std::vector<float> cs(half), sn(half);
     for (int64_t m = 0; m < M; ++m) {
-      if (m == 0 || starts) {
-        const float p = static_cast<float>(pos - first_column(m)) * sp.rope_scale;
+      if (m == 0 || positions) {
+        const float p = static_cast<float>(position(m)) * sp.rope_scale;
         for (int i = 0; i < half; ++i) {
           cs[i] = std::cos(p * inv[i]);
           sn[i] = std::sin(p * inv[i]);
@@ -262,17 +263,19 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
   const float* kc = floats(kKCache);  // [B, Hkv, cap, hd]
   const float* vc = floats(kVCache);
 
-  // attention over columns [start, pos] (the cached ones, then the new one), one (sequence, head)
-  // at a time; start: the window's first column, or the sequence's first when later
-  const int64_t window_start = sp.window > 0 ? std::max<int64_t>(0, pos - sp.window + 1) : 0;
-  const int64_t longest = pos - window_start + 1;
+  // attention over columns [start, p] (the cached ones before the sequence's position p, then the
+  // new one), one (sequence, head) at a time; start: the window's first column
+  int64_t longest = 1;
+  for (int64_t m = 0; m < M; ++m)
+    longest = std::max(longest, std::min<int64_t>(position(m) + 1, sp.window > 0 ? sp.window : cap));
   const size_t head_grain =
       static_cast<size_t>(std::max<int64_t>(1, kGrainWork / std::max<int64_t>(2 * longest * hd, 1)));
   metalnn_native::parallel_for(static_cast<size_t>(M * H), head_grain, [&](size_t a, size_t b) {
     std::vector<float> s(static_cast<size_t>(longest));
     for (size_t mh = a; mh < b; ++mh) {
       const int64_t m = static_cast<int64_t>(mh) / H, hh = static_cast<int64_t>(mh) % H, g = hh / rep;
-      const int64_t start = std::max(window_start, first_column(m)), len = pos - start + 1;
+      const int64_t pm = position(m), start = sp.window > 0 ? std::max<int64_t>(0, pm - sp.window + 1) : 0;
+      const int64_t len = pm - start + 1;
       const float* qv = q.data() + (m * H + hh) * hd;
       const float* kb = kc + ((m * G + g) * cap + start) * hd;
       const float* vb = vc + ((m * G + g) * cap + start) * hd;
@@ -452,7 +455,7 @@ std::vector<mx::array> decoder_block_step_op(const std::vector<mx::array>& input
     expect(inputs[sp.qk_norm_input() + 1], "k_norm gain", {hd}, mx::float32);
   }
   // (the starts' values are checked when the step runs: they are not known before)
-  if (sp.row_starts) expect(inputs[sp.starts_input()], "starts", {B}, mx::int32);
+  if (sp.row_positions) expect(inputs[sp.positions_input()], "positions", {B}, mx::int32);
   const mx::Shape row = {kc.shape(0), kc.shape(1), 1, kc.shape(3)};
   return mx::array::make_arrays({x.shape(), row, row}, {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<DecoderBlockStep>(s, sp), inputs);
@@ -467,7 +470,7 @@ void register_decode_step(nb::module_& m) {
       [](const std::vector<mx::array>& inputs, int heads, int kv_heads, int head_dim, int rope_dims,
          bool rope_traditional, float rope_scale, float attn_scale, float eps, float qk_eps, int window,
          bool qk_norm, bool gelu, const std::vector<int>& types, const std::vector<bool>& bias, int offset,
-         bool row_starts, mx::StreamOrDevice s) {
+         bool row_positions, mx::StreamOrDevice s) {
         if (types.size() != kProjections || bias.size() != kProjections)
           refuse("types and bias must list the 7 projections (q, k, v, o, gate, up, down)");
         BlockSpec sp;
@@ -488,7 +491,7 @@ void register_decode_step(nb::module_& m) {
           sp.bias[p] = bias[p];
         }
         sp.offset = offset;
-        sp.row_starts = row_starts;
+        sp.row_positions = row_positions;
         return decoder_block_step_op(inputs, sp, s);
       },
       nb::arg("inputs"),
@@ -508,7 +511,7 @@ void register_decode_step(nb::module_& m) {
       nb::arg("types"),
       nb::arg("bias"),
       nb::arg("offset"),
-      nb::arg("row_starts") = false,
+      nb::arg("row_positions") = false,
       nb::arg("stream") = nb::none(),
       "One Llama-family decoder block for one new position a sequence: [out, new key, new value] "
       "(see metalnn/cpu/decode_step.py for the inputs).");
