@@ -5,7 +5,7 @@ Each `BatchGenerator.step`:
 
 1. runs one chunk (``prefill_chunk`` tokens) of the oldest waiting prompt into that sequence's own
    caches; when its prompt is done, the sequence's first token is sampled and its caches join the
-   batch (`metalnn.layers.batch_cache.merge_rows`: right-aligned rows, see there);
+   batch (`metalnn.layers.batch_cache.merge_rows`: left-aligned rows, see there);
 2. decodes one token of every sequence in the batch as one ``[B, 1]`` forward pass (one read of the
    weights for all of them: on a small machine decoding is bound by reading the weights, so B
    sequences cost little more than one).
