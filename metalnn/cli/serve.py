@@ -25,6 +25,13 @@ def add_parser(commands):
     p.add_argument("--prompt-cache-mb", type=int, default=1024, metavar="MB",
                    help="memory for cached prompt prefixes, reused by prompts that begin the same way "
                         "(default 1024; 0 turns the cache off)")
+    p.add_argument("--draft-model", metavar="MODEL",
+                   help="a smaller model with the same tokenizer that drafts tokens for speculative decoding of "
+                        "greedy requests (the answers are the same, several tokens per step when drafts are right)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="draft tokens from the request's own text instead (pays off when answers quote their input)")
+    p.add_argument("--max-draft", type=positive_int, default=4, metavar="N",
+                   help="the most draft tokens checked per request and step (default 4)")
     p.add_argument("--prompt-cache-dir", metavar="DIR",
                    help="keep the prompt cache in this folder between runs (read at start, written at exit)")
     p.add_argument("--max-tokens", type=positive_int, default=1024, metavar="N",
@@ -42,7 +49,8 @@ def run(args):
     settings = ServerSettings(host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue,
                               max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                               prompt_cache_bytes=max(0, args.prompt_cache_mb) << 20,
-                              prompt_cache_dir=args.prompt_cache_dir,
+                              prompt_cache_dir=args.prompt_cache_dir, draft_model=args.draft_model,
+                              prompt_lookup=args.prompt_lookup, max_draft=args.max_draft,
                               max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
                               log_level=args.log_level)
     serve(args.model, settings)

@@ -15,6 +15,15 @@ when they reach their token limit or an end-of-sequence id, or when `BatchGenera
 called (the worker does that for stop strings and disconnected clients); their rows are dropped
 from the caches between steps (`keep_rows`).
 
+With a drafter (`PromptLookup`, `DraftModel`), greedy sequences are decoded speculatively: the
+drafter proposes up to ``max_draft`` next tokens for a row, one ``[B, 1 + k]`` pass checks them all,
+and a row keeps its drafts up to the first one the model would not have picked, plus the model's
+own next token; the rejected positions are taken back out of the caches
+(`metalnn.layers.batch_cache.BatchKVCache.rewind`). The tokens are exactly those of plain greedy
+decoding; rows that sample (or whose sampler keeps per-token state, see ``can_draft``) take one
+token per step as before, in the same pass. Models with recurrent layers (their states cannot be
+taken back) decode without drafts.
+
 Sampling is per sequence: ``sample(sequences, logits [B, vocab]) -> list[int]`` picks each row's
 token (default: greedy arg-max); `Sequence.state` carries whatever the sampler keeps per sequence.
 A prefix cache (`metalnn.llm.prefix_cache.PrefixCache`) lets a prompt start from the caches of the
@@ -31,9 +40,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..layers.batch_cache import keep_rows, merge_rows
+from ..layers.batch_cache import BatchKVCache, keep_rows, merge_rows
 
-__all__ = ["BatchGenerator", "Sequence", "Event", "greedy"]
+__all__ = ["BatchGenerator", "Sequence", "Event", "greedy", "PromptLookup", "DraftModel"]
 
 #: ``finish_reason`` of a sequence: an end-of-sequence id; its token limit; `BatchGenerator.cancel`
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
@@ -62,6 +71,8 @@ class Sequence:
     tokens: list = field(default_factory=list)
     finish_reason: str | None = None
     cached_prefix: int = 0
+    drafted: int = 0    # draft tokens proposed for it
+    accepted: int = 0   # of those, the ones kept
     _caches: list | None = field(default=None, repr=False)
     _done: int = 0  # prompt tokens run so far
 
@@ -89,17 +100,27 @@ class BatchGenerator:
         prefill_chunk: prompt tokens run per step while others decode (at least 1).
         max_batch: the most sequences decoded together; more wait for a free row.
         prefix_cache: a `metalnn.llm.prefix_cache.PrefixCache` (None: every prompt runs whole).
+        drafter: proposes tokens for speculative decoding (`PromptLookup`, `DraftModel`; None: off).
+        max_draft: the most draft tokens checked per row and step.
+        can_draft: ``can_draft(sequence) -> bool``: whether a row's tokens are plain arg-maxes of the
+            logits (no sampling, penalties, constraints or per-token results), so drafts can be
+            checked against them. Default: True when ``sample`` is `greedy`.
         device: the `metalnn.Device` to run on.
     """
 
     def __init__(self, model, *, sample=None, prefill_chunk: int = 256, max_batch: int = 16, prefix_cache=None,
-                 device=None):
+                 drafter=None, max_draft: int = 4, can_draft=None, device=None):
         if int(prefill_chunk) < 1 or int(max_batch) < 1:
             raise ValueError(f"BatchGenerator: prefill_chunk and max_batch must be at least 1, got {prefill_chunk} "
                              f"and {max_batch}")
         self.model, self.sample, self.device = model, sample or greedy, device
         self.prefill_chunk, self.max_batch = int(prefill_chunk), int(max_batch)
         self.prefix_cache = prefix_cache
+        self.drafter, self.max_draft = drafter, max(0, int(max_draft))
+        if can_draft is None:
+            can_draft = (lambda seq: True) if self.sample is greedy else (lambda seq: False)
+        self.can_draft = can_draft
+        self.steps = 0  # batched decoding passes run
         self._ids = itertools.count()
         self._waiting: deque = deque()   # sequences whose prompt has not finished
         self._running: list = []         # sequences in the batch, in row order
@@ -196,16 +217,44 @@ class BatchGenerator:
         self._running.append(seq)
         self._last.append(seq.tokens[-1])
 
+    def _drafts(self) -> list:
+        """Each running row's draft tokens (empty where none are proposed or allowed)."""
+        if self.drafter is None or not self.max_draft or not all(isinstance(c, BatchKVCache) for c in self._caches):
+            return [[] for _ in self._running]
+        limits = [min(self.max_draft, seq.max_tokens - len(seq.tokens) - 1) if self.can_draft(seq) else 0
+                  for seq in self._running]
+        proposed = self.drafter.propose(self._running, limits)
+        return [[int(t) for t in d[:k]] if k > 0 else [] for d, k in zip(proposed, limits)]
+
     def _decode(self) -> list:
-        tokens = mx.array(self._last, dtype=mx.int32)[:, None]
-        logits = self.model(tokens, cache=self._caches, device=self.device)[:, -1, :]
-        picked = self.sample(self._running, logits)
-        events, leaving = [], []
+        drafts = self._drafts()
+        width = max((len(d) for d in drafts), default=0)
+        rows = [[last] + d + [0] * (width - len(d)) for last, d in zip(self._last, drafts)]
+        logits = self.model(mx.array(rows, dtype=mx.int32), cache=self._caches, device=self.device)
+        self.steps += 1
+        picked = self.sample(self._running, logits[:, 0, :])
+        # the model's own choice after each draft token (greedy rows only have drafts)
+        after = mx.argmax(logits[:, 1:, :], axis=-1).tolist() if width else [[] for _ in rows]
+        events, leaving, rewind = [], [], []
         for row, (seq, token) in enumerate(zip(self._running, picked)):
-            events.append(self._record(seq, int(token)))
-            self._last[row] = int(token)
+            emitted, draft = [int(token)], drafts[row]
+            while len(emitted) <= len(draft) and emitted[-1] == draft[len(emitted) - 1]:
+                emitted.append(int(after[row][len(emitted) - 1]))
+            seq.drafted += len(draft)
+            seq.accepted += len(emitted) - 1
+            if self.drafter is not None:
+                self.drafter.accepted(seq, len(draft), len(emitted) - 1)
+            rewind.append(width - (len(emitted) - 1))
+            for t in emitted:
+                events.append(self._record(seq, t))
+                if seq.finish_reason is not None:
+                    break
+            self._last[row] = seq.tokens[-1]
             if seq.finish_reason is not None:
                 leaving.append(row)
+        if width:
+            for c in self._caches:
+                c.rewind(rewind)
         if leaving:
             self._leave(leaving)
         return events
@@ -229,3 +278,107 @@ class BatchGenerator:
         self._running = [self._running[r] for r in keep]
         self._last = [self._last[r] for r in keep]
         self._caches = keep_rows(self._caches, keep) if keep else None
+
+
+class PromptLookup:
+    """Draft tokens copied from the sequence itself (prompt-lookup decoding): where the last ``n``
+    tokens (``n`` from ``max_ngram`` down to ``min_ngram``) occurred before in the prompt or the
+    answer, propose the tokens that followed them. Free to compute; pays off when answers repeat
+    their input (quoting, editing, extracting, code), costs a wider step when drafts miss: a
+    sequence whose recent drafts were mostly rejected drafts nothing for ``cooldown`` steps.
+
+    Args:
+        max_ngram, min_ngram: lengths of the matched ending.
+        min_rate: the fraction of drafted tokens kept (running average) below which a sequence cools down.
+        cooldown: steps without drafts after a poor run.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, min_rate: float = 0.3, cooldown: int = 8):
+        if not 1 <= int(min_ngram) <= int(max_ngram):
+            raise ValueError(f"PromptLookup: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+        self.min_rate, self.cooldown = float(min_rate), int(cooldown)
+        self._rate: dict = {}   # uid -> running acceptance rate
+        self._pause: dict = {}  # uid -> steps left without drafts
+
+    def propose(self, sequences, limits) -> list:
+        import numpy as np
+
+        out = []
+        for seq, k in zip(sequences, limits):
+            if k <= 0 or self._pause.get(seq.uid, 0) > 0:
+                self._pause[seq.uid] = self._pause.get(seq.uid, 0) - 1
+                out.append([])
+                continue
+            ctx = np.asarray(seq.prompt + seq.tokens, dtype=np.int64)
+            out.append(self._lookup(ctx, k))
+        return out
+
+    def _lookup(self, ctx, k) -> list:
+        import numpy as np
+
+        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+            tail = ctx[-n:]
+            # windows ending before the last token: starts 0 .. len - n - 1
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the most recent occurrence
+                follow = ctx[start:start + k].tolist()
+                if follow:
+                    return follow
+        return []
+
+    def accepted(self, seq, drafted: int, kept: int):
+        if not drafted:
+            return
+        rate = 0.5 * self._rate.get(seq.uid, 1.0) + 0.5 * kept / drafted
+        self._rate[seq.uid] = rate
+        if rate < self.min_rate:
+            self._pause[seq.uid], self._rate[seq.uid] = self.cooldown, 1.0
+
+
+class DraftModel:
+    """Draft tokens from a smaller model with the same vocabulary: for each row, its greedy next
+    ``k`` tokens after the sequence so far (its own caches per sequence, caught up with the tokens
+    the target kept, taken back past the rejected drafts).
+
+    Args:
+        model: the draft `metalnn.llm.models.CausalLM` (attention layers only).
+        device: its `metalnn.Device`.
+    """
+
+    def __init__(self, model, device=None):
+        self.model, self.device = model, device
+        self._state: dict = {}  # uid -> (caches, tokens fed)
+
+    def propose(self, sequences, limits) -> list:
+        live = {seq.uid for seq in sequences}
+        for uid in [u for u in self._state if u not in live]:
+            del self._state[uid]
+        out = []
+        for seq, k in zip(sequences, limits):
+            if k <= 0:
+                out.append([])
+                continue
+            ctx = seq.prompt + seq.tokens
+            caches, fed = self._state.get(seq.uid, (None, 0))
+            if caches is None:
+                caches = self.model.make_cache()
+            # take back what the target rejected, feed what it kept (all but the last token)
+            for c in caches:
+                c.trim(c.offset - fed)
+            if len(ctx) - 1 > fed:
+                self.model(mx.array(ctx[fed:-1], dtype=mx.int32)[None], cache=caches, device=self.device)
+            fed = len(ctx) - 1
+            draft, last = [], ctx[-1]
+            for _ in range(k):
+                logits = self.model(mx.array([[last]], dtype=mx.int32), cache=caches, device=self.device)
+                last = int(mx.argmax(logits[0, -1]).item())
+                draft.append(last)
+            self._state[seq.uid] = (caches, fed)
+            out.append(draft)
+        return out
+
+    def accepted(self, seq, drafted: int, kept: int):
+        pass

@@ -238,3 +238,53 @@ def test_ragged_batch_decodes_in_the_fused_step(checkpoints):
     buf = io.StringIO()
     mx.export_to_dot(buf, logits)
     assert re.findall(r'label ?= ?"([A-Za-z_]+)', buf.getvalue()).count("DecoderBlockStep") == 2
+
+
+def greedy_alone(model, prompt, n):
+    return mn.generate(model, prompt, n, eos_token_id=())
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "same_model", "other_model"])
+def test_speculative_decoding_gives_the_greedy_tokens(checkpoints, drafter):
+    from metalnn.llm.batching import DraftModel, PromptLookup
+
+    _, model = checkpoints("llama_gqa")
+    if drafter == "lookup":
+        d = PromptLookup(max_ngram=3, min_ngram=1)
+    elif drafter == "same_model":
+        d = DraftModel(model)
+    else:
+        d = DraftModel(checkpoints("qwen3_qk_norm")[1])
+    rng = np.random.default_rng(7)
+    motif = rng.integers(0, VOCAB, 5).tolist()
+    prompts = [motif * 4, rng.integers(0, VOCAB, 9).tolist(), motif * 2 + [3]]
+    lengths = [24, 17, 30]
+    gen = BatchGenerator(model, drafter=d, max_draft=4, prefill_chunk=8)
+    seqs = [gen.add(p, n) for p, n in zip(prompts, lengths)]
+    while gen:
+        gen.step()
+    for seq, p, n in zip(seqs, prompts, lengths):
+        assert seq.tokens == greedy_alone(model, p, n)
+    drafted, kept = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
+    assert drafted > 0 and kept > 0
+    if drafter == "same_model":  # the model agrees with itself: every draft is kept
+        assert kept == drafted
+    # fewer batched passes than without drafts: several tokens per pass where drafts were kept
+    plain = BatchGenerator(model, prefill_chunk=8)
+    for p, n in zip(prompts, lengths):
+        plain.add(p, n)
+    while plain:
+        plain.step()
+    assert gen.steps < plain.steps
+
+
+def test_hybrid_models_decode_without_drafts(checkpoints):
+    from metalnn.llm.batching import PromptLookup
+
+    _, model = checkpoints("qwen3_5_hybrid")
+    prompt = [5, 6, 7] * 5
+    gen = BatchGenerator(model, drafter=PromptLookup(min_ngram=1))
+    seq = gen.add(prompt, 12)
+    while gen:
+        gen.step()
+    assert seq.tokens == greedy_alone(model, prompt, 12) and seq.drafted == 0

@@ -51,6 +51,10 @@ class ServerSettings:
         prefill_chunk: prompt tokens run per step while other requests decode.
         prompt_cache_bytes: memory for the prefix cache (0: off).
         prompt_cache_dir: a folder where the prefix cache is kept between runs (None: memory only).
+        draft_model: a smaller model with the same vocabulary that drafts tokens for speculative
+            decoding of greedy requests (anything `load_pretrained` takes; None: no draft model).
+        prompt_lookup: draft tokens from the request's own text instead (prompt-lookup decoding).
+        max_draft: the most draft tokens checked per request and step.
         max_tokens: new tokens for a request that does not say (always within the context length).
         max_body_bytes: largest request body; larger ones get HTTP 413.
         log_level: uvicorn's log level.
@@ -64,6 +68,9 @@ class ServerSettings:
     prefill_chunk: int = 256
     prompt_cache_bytes: int = 1 << 30
     prompt_cache_dir: str | None = None
+    draft_model: str | None = None
+    prompt_lookup: bool = False
+    max_draft: int = 4
     max_tokens: int = 1024
     max_body_bytes: int = 1 << 20
     log_level: str = "info"
@@ -123,7 +130,11 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None):
         raise FileNotFoundError(f"{model}: the model has no tokenizer (tokenizer.json, or a .gguf file's "
                                 "vocabulary); the server needs one") from None
     name = settings.model_name or model_name(model)
-    app = create_app(loaded, tokenizer, settings, name)
+    draft = load_pretrained(settings.draft_model) if settings.draft_model else None
+    if draft is not None and draft.vocab_size != loaded.vocab_size:
+        raise ValueError(f"--draft-model {settings.draft_model}: its vocabulary has {draft.vocab_size} tokens, the "
+                         f"model's {loaded.vocab_size}; a draft model must share the model's tokenizer")
+    app = create_app(loaded, tokenizer, settings, name, draft_model=draft)
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

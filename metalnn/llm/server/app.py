@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 
 from ... import __version__
 from ..chat_template import ChatTemplateError
+from ..batching import DraftModel, PromptLookup
 from ..prefix_cache import PrefixCache
 from ..text_generation import CANCELLED
 from . import errors
@@ -233,18 +234,22 @@ class _CompletionShape:
         return {**self._choice(stream.text, stream.finish_reason), "usage": _usage(stream), "timings": _timings(stream)}
 
 
-def create_app(model, tokenizer, settings, name: str) -> FastAPI:
-    """The application serving ``model`` under the id ``name`` (see `metalnn.llm.server.ServerSettings`).
+def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastAPI:
+    """The application serving ``model`` under the id ``name`` (see `metalnn.llm.server.ServerSettings`;
+    ``draft_model``: a loaded model for ``settings.draft_model``).
 
     The generation worker starts with the application and stops with it.
     """
-    prefix_cache = None
-    if settings.prompt_cache_bytes:
-        prefix_cache = PrefixCache(settings.prompt_cache_bytes)
-        if settings.prompt_cache_dir:
-            prefix_cache.load(settings.prompt_cache_dir)
+    prefix_cache = PrefixCache(settings.prompt_cache_bytes) if settings.prompt_cache_bytes else None
+    drafter = None
+    if draft_model is not None:
+        drafter = DraftModel(draft_model)
+    elif getattr(settings, "prompt_lookup", False):
+        drafter = PromptLookup()
     worker = GenerationWorker(model, tokenizer, settings.max_queue, max_batch=settings.max_batch,
-                              prefix_cache=prefix_cache, prefill_chunk=settings.prefill_chunk)
+                              prefix_cache=prefix_cache, prefill_chunk=settings.prefill_chunk, drafter=drafter,
+                              max_draft=getattr(settings, "max_draft", 4),
+                              prompt_cache_dir=settings.prompt_cache_dir if prefix_cache is not None else None)
     generations = Generations(model, tokenizer, worker, name, settings)
     page = chat_page()
     started = int(time.time())
@@ -254,8 +259,6 @@ def create_app(model, tokenizer, settings, name: str) -> FastAPI:
         worker.start()
         yield
         await asyncio.to_thread(worker.stop)
-        if prefix_cache is not None and settings.prompt_cache_dir:
-            prefix_cache.save(settings.prompt_cache_dir)
 
     app = FastAPI(title="metalnn", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = worker

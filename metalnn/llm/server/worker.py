@@ -116,6 +116,11 @@ class Job:
             pass
 
 
+def plain_greedy(sequence) -> bool:
+    """Whether a row's tokens are plain arg-maxes (its drafts can then be checked in one pass)."""
+    return not sequence.state.options.get("temperature")
+
+
 def sample_rows(sequences, logits) -> list:
     """Each row's token: greedy rows by one arg-max, sampled rows with their job's options and
     their own key (split per step from the request's ``seed``, as `metalnn.generate` does, so a
@@ -151,12 +156,17 @@ class GenerationWorker:
         max_batch: how many jobs decode together.
         prefix_cache: a `metalnn.llm.prefix_cache.PrefixCache` or None.
         prefill_chunk: prompt tokens run per step while other requests decode.
+        drafter, max_draft: speculative decoding of greedy requests (see `metalnn.llm.batching`).
+        prompt_cache_dir: a folder the prefix cache is read from when the worker starts and written
+            to when it stops (on the worker's thread: MLX arrays belong to the thread's stream).
     """
 
     def __init__(self, model, tokenizer, max_queue: int = 16, *, max_batch: int = 8, prefix_cache=None,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, drafter=None, max_draft: int = 4, prompt_cache_dir=None):
         self.model, self.tokenizer, self.max_queue = model, tokenizer, int(max_queue)
         self.max_batch, self.prefix_cache, self.prefill_chunk = int(max_batch), prefix_cache, int(prefill_chunk)
+        self.drafter, self.max_draft = drafter, int(max_draft)
+        self.prompt_cache_dir = prompt_cache_dir
         self.eos = frozenset(getattr(model, "eos_token_ids", ()) or ()) | frozenset(tokenizer.eos_token_ids)
         self._inbox: queue.Queue = queue.Queue()
         # re-entrant: cancel_all also runs from the SIGTERM handler, which may interrupt submit()
@@ -173,7 +183,8 @@ class GenerationWorker:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self.model, sample=sample_rows, prefill_chunk=self.prefill_chunk,
-                              max_batch=self.max_batch, prefix_cache=self.prefix_cache)
+                              max_batch=self.max_batch, prefix_cache=self.prefix_cache, drafter=self.drafter,
+                              max_draft=self.max_draft, can_draft=plain_greedy)
 
     def start(self):
         self._thread = threading.Thread(target=self._serve, name="metalnn-generation", daemon=True)
@@ -213,6 +224,22 @@ class GenerationWorker:
 
     # -- the worker thread ---------------------------------------------------------------------
     def _serve(self):
+        if self.prefix_cache is not None and self.prompt_cache_dir:
+            try:
+                n = self.prefix_cache.load(self.prompt_cache_dir)
+                log.info("prompt cache: %d entries read from %s", n, self.prompt_cache_dir)
+            except OSError as e:
+                log.warning("prompt cache: could not read %s: %s", self.prompt_cache_dir, e)
+        try:
+            self._loop()
+        finally:
+            if self.prefix_cache is not None and self.prompt_cache_dir:
+                try:
+                    self.prefix_cache.save(self.prompt_cache_dir)
+                except OSError as e:
+                    log.warning("prompt cache: could not write %s: %s", self.prompt_cache_dir, e)
+
+    def _loop(self):
         stopping = False
         while True:
             stopping = self._take_new(block=not self._jobs and not stopping) or stopping
