@@ -176,7 +176,7 @@ def stream_generate(model, tokens, max_new_tokens: int, temperature: float = 0.0
 
 def generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, eos_token_id=None, device=None,
-             max_context: int | None = None):
+             max_context: int | None = None, processors=None):
     """Generate up to ``max_new_tokens`` tokens after ``tokens``.
 
     Args:
@@ -197,12 +197,13 @@ def generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k
             Default None: no limit (the cache grows with the sequence). When set, the prompt is cut
             to its last ``max_context`` tokens, and whenever the cache is full it is rebuilt from
             the last ``max_context // 2`` tokens (one re-prefill per ``max_context // 2`` steps).
+        processors: logits processors, see `stream_generate`.
     Returns:
         the new tokens: a ``list[int]`` for a 1-D prompt, an ``mx.array`` ``[B, N]`` for a batch.
     """
     prompt, batched = _prompt(tokens)
     out = list(stream_generate(model, prompt if batched else prompt[0], max_new_tokens, temperature, top_k, top_p,
-                               seed, eos_token_id, device, max_context))
+                               seed, eos_token_id, device, max_context, processors))
     if batched:
         if not out:
             return mx.zeros((prompt.shape[0], 0), dtype=mx.int32)
