@@ -273,8 +273,9 @@ def tool_call_grammar(tools: list, format: str = HERMES, name: str | None = None
     Args:
         tools: OpenAI tools (``{"type": "function", "function": {"name", "parameters", ...}}``).
         format: `HERMES` or `LLAMA3`.
-        name: only this function (``tool_choice`` naming one); default: any of ``tools``.
-        parallel: `HERMES` only: one or more calls (each on its own line) instead of exactly one.
+        name: exactly one call of this function (``tool_choice`` naming one); default: any of ``tools``.
+        parallel: `HERMES` without ``name`` only: one or more calls (each on its own line) instead of
+            exactly one.
     Raises:
         ValueError: ``name`` is not among ``tools``, or no tools.
     """
@@ -296,5 +297,5 @@ def tool_call_grammar(tools: list, format: str = HERMES, name: str | None = None
     if format == LLAMA3:
         return "\n".join(["start: call"] + lines)
     block = f"{json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}"
-    start = f"start: block ({json.dumps(chr(10))} block)*" if parallel else "start: block"
+    start = f"start: block ({json.dumps(chr(10))} block)*" if parallel and name is None else "start: block"
     return "\n".join([start, f"block: {block}"] + lines)

@@ -80,6 +80,8 @@ class TextPart(BaseModel):
     text: str
 
 
+#: the ``tool_choice`` words (or an object naming a function)
+TOOL_CHOICES = ("none", "auto", "required")
 #: OpenAI's rule for function names
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -184,9 +186,17 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v):
+        if isinstance(v, str) and v not in TOOL_CHOICES:
+            raise ValueError(f"must be one of {', '.join(TOOL_CHOICES)} or "
+                             '{"type": "function", "function": {"name": ...}}')
+        return v
 
     @field_validator("messages")
     @classmethod
