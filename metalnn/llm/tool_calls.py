@@ -270,6 +270,10 @@ def call_schema(tool: dict, format: str = HERMES) -> dict:
 def tool_call_grammar(tools: list, format: str = HERMES, name: str | None = None, parallel: bool = True) -> str:
     """A Lark grammar (llguidance's syntax) whose every text is a call of ``tools`` in ``format``.
 
+    The JSON is compact (`metalnn.llm.constrained.COMPACT_JSON`). Parameter schemas are followed
+    leniently (keywords llguidance does not implement are ignored) unless every tool says
+    ``"strict": true``.
+
     Args:
         tools: OpenAI tools (``{"type": "function", "function": {"name", "parameters", ...}}``).
         format: `HERMES` or `LLAMA3`.
@@ -292,7 +296,9 @@ def tool_call_grammar(tools: list, format: str = HERMES, name: str | None = None
 
     schemas = [call_schema(t, format) for t in tools]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema = {"x-guidance": COMPACT_JSON, **schema}
+    # keywords llguidance does not implement are refused only when every tool asks to be strict
+    strict = all(t.get("function", t).get("strict") for t in tools)
+    schema = {"x-guidance": {**COMPACT_JSON, "lenient": not strict}, **schema}
     lines = [f"call: %json {json.dumps(schema, ensure_ascii=False)}"]
     if format == LLAMA3:
         return "\n".join(["start: call"] + lines)

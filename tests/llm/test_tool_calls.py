@@ -222,3 +222,16 @@ def test_forced_call_grammars_only_produce_valid_calls(format, name):
     assert names == ({name} if name else set(schemas))
     with pytest.raises(ValueError, match="no tool is named"):
         tool_call_grammar(TOOLS, format, name="get_news")
+
+
+def test_tool_schemas_are_lenient_unless_every_tool_is_strict():
+    """Keywords llguidance does not implement ("not") are ignored for ordinary tools and refused
+    once the tools say "strict": true, as OpenAI's strict mode promises the schema exactly."""
+    from metalnn.llm.constrained import GrammarError
+
+    tok = tiny_tokenizer(QWEN25)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {"required": ["a"]}}}}
+    GrammarConstraint.lark(tok, tool_call_grammar([tool]))
+    strict = {"type": "function", "function": {**tool["function"], "strict": True}}
+    with pytest.raises(GrammarError, match="not"):
+        GrammarConstraint.lark(tok, tool_call_grammar([strict]))

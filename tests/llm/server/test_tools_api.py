@@ -149,6 +149,13 @@ def test_streamed_forced_call_equals_the_whole_one(client):
     assert re.fullmatch(r"call_[0-9a-f]{24}", streamed[0].id)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert whole.choices[0].finish_reason == "tool_calls"
+    # the client's own stream accumulator reads the deltas into the same message
+    with client.chat.completions.stream(model="tiny", messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                        parallel_tool_calls=False, temperature=0, max_tokens=200) as stream:
+        final = stream.get_final_completion()
+    [got] = final.choices[0].message.tool_calls
+    assert (got.function.name, got.function.arguments) == (want.function.name, want.function.arguments)
+    assert final.choices[0].finish_reason == "tool_calls"
 
 
 def test_required_sampled_calls_are_all_valid(client):
@@ -248,6 +255,9 @@ BAD = [
     ({"tools": [WEATHER, WEATHER]}, None, "distinct"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
       "tool_choice": "required"}, "tools", "frob"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
+                                                  "parameters": {"type": "object", "not": {"required": ["a"]}}}}],
+      "tool_choice": "required"}, "tools", "not"),
     ({"tools": TOOLS, "tool_choice": "required", "grammar": "start: \"a\""}, None, "tool_choice"),
     ({"messages": [{"role": "user", "content": None}]}, "messages", "messages[0].content"),
     ({"messages": QUESTION + [{"role": "tool", "content": "x"}]}, "messages", "messages[1].tool_call_id"),
