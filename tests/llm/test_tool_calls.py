@@ -184,7 +184,8 @@ def test_consecutive_tool_results_share_one_user_turn():
     tok = tiny_tokenizer(CHATML)
     calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
              for i in range(2)]
-    messages = [{"role": "user", "content": "Times?"}, {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+    messages = [{"role": "user", "content": "Times?"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": calls},
                 {"role": "tool", "tool_call_id": "call_0", "content": "10:00"},
                 {"role": "tool", "tool_call_id": "call_1", "content": "11:00"}]
     text = render_conversation(tok, messages, [TIME], tokenize=False)
