@@ -4,6 +4,12 @@ The prompt is run once (prefill) and fills each attention layer's `KVCache` (onl
 prompt position goes through the output projection); every later step feeds only the newest token, so a step costs one token's projections plus one pass over the cache.
 The graph of step ``n + 1`` is built while step ``n`` runs, and step ``n + 1`` is queued
 (``mx.async_eval``) before the caller handles token ``n``.
+
+Logits processors (``processors=``, e.g. `metalnn.llm.constrained.GrammarConstraint`) are
+per-sequence objects with ``__call__(logits [V]) -> [V]`` (applied before sampling) and
+``accept(token)`` (told each token the sequence produced). A processed step needs the previous
+token first, so it is not queued ahead; the model's forward pass still runs while the processors
+compute their masks.
 """
 
 from __future__ import annotations
@@ -62,8 +68,39 @@ def _eos_set(eos_token_id, model=None):
     return {int(e) for e in eos_token_id}
 
 
-def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, max_context=None):
-    """Yield the next-token arrays ``[B]`` (lazy; the following step is queued before each yield)."""
+def _processor_rows(processors, rows: int):
+    """``processors`` as one list per batch row (None: none at all)."""
+    if not processors:
+        return None
+    if rows == 1 and not isinstance(processors[0], (list, tuple)) and processors[0] is not None:
+        processors = [processors]
+    if len(processors) != rows:
+        raise ValueError(f"generate: processors must give one list per batch row ({rows}), got {len(processors)}")
+    return [list(p or ()) for p in processors]
+
+
+def _process(rows, logits):
+    """Apply each row's processors to its logits ``[B, V]`` -> ``[B, V]``."""
+    out = []
+    for i, procs in enumerate(rows):
+        x = logits[i]
+        for p in procs:
+            x = p(x)
+        out.append(x)
+    return mx.stack(out)
+
+
+def _accept(rows, y):
+    """Tell each row's processors the token it produced (``y`` ``[B]``; evaluates it)."""
+    for procs, token in zip(rows, y.tolist()):
+        for p in procs:
+            p.accept(token)
+
+
+def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, max_context=None,
+           processors=None):
+    """Yield the next-token arrays ``[B]`` (lazy; the following step is queued before each yield;
+    with ``processors``, see `_processor_rows`, each token is evaluated and accepted first)."""
     cache = model.make_cache()
     key = mx.random.key(seed) if seed is not None else None
     history = prompt if max_context else None
@@ -83,6 +120,9 @@ def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, devic
             model(inp[:, :-1], cache=cache, device=device)
             inp = inp[:, -1:]
         logits = model(inp, cache=cache, device=device)[:, -1, :]
+        if processors:
+            mx.async_eval(logits)  # the forward pass runs while the processors compute their masks
+            logits = _process(processors, logits)
         sub = None
         if key is not None and temperature and temperature > 0:
             key, sub = mx.random.split(key)
@@ -97,6 +137,8 @@ def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, devic
     mx.async_eval(y)
     for n in range(max_new_tokens):
         nxt = None
+        if processors:
+            _accept(processors, y)
         if n + 1 < max_new_tokens:
             nxt = step(y[:, None])  # the graph is built while step n runs
             # Step n finishes before step n + 1 is queued: the caches' in-place writes of step n + 1
@@ -110,14 +152,19 @@ def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, devic
 
 def stream_generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                     top_p: float | None = None, seed: int | None = None, eos_token_id=None, device=None,
-                    max_context: int | None = None):
+                    max_context: int | None = None, processors=None):
     """Yield new tokens one at a time (an ``int`` per step for a 1-D prompt, a list per step for a
     ``[B, T]`` prompt). Stops after ``max_new_tokens`` or when every sequence has produced an
-    ``eos_token_id`` (an int or a collection; the EOS token is yielded). Arguments as `generate`."""
+    ``eos_token_id`` (an int or a collection; the EOS token is yielded). Arguments as `generate`,
+    and ``processors``: logits processors (``__call__(logits [V]) -> [V]`` before sampling,
+    ``accept(token)`` after), a list applied in order for a 1-D prompt, one list per row (or None)
+    for a ``[B, T]`` prompt."""
     prompt, batched = _prompt(tokens)
     eos = _eos_set(eos_token_id, model)
     done = [False] * prompt.shape[0]
-    for y in _steps(model, prompt, int(max_new_tokens), temperature, top_k, top_p, seed, device, max_context):
+    rows = _processor_rows(processors, prompt.shape[0])
+    for y in _steps(model, prompt, int(max_new_tokens), temperature, top_k, top_p, seed, device, max_context,
+                    rows):
         ids = y.tolist()
         if eos:
             ids = [next(iter(eos)) if d else t for t, d in zip(ids, done)]
@@ -129,7 +176,7 @@ def stream_generate(model, tokens, max_new_tokens: int, temperature: float = 0.0
 
 def generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, eos_token_id=None, device=None,
-             max_context: int | None = None):
+             max_context: int | None = None, processors=None):
     """Generate up to ``max_new_tokens`` tokens after ``tokens``.
 
     Args:
@@ -150,12 +197,13 @@ def generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k
             Default None: no limit (the cache grows with the sequence). When set, the prompt is cut
             to its last ``max_context`` tokens, and whenever the cache is full it is rebuilt from
             the last ``max_context // 2`` tokens (one re-prefill per ``max_context // 2`` steps).
+        processors: logits processors, see `stream_generate`.
     Returns:
         the new tokens: a ``list[int]`` for a 1-D prompt, an ``mx.array`` ``[B, N]`` for a batch.
     """
     prompt, batched = _prompt(tokens)
     out = list(stream_generate(model, prompt if batched else prompt[0], max_new_tokens, temperature, top_k, top_p,
-                               seed, eos_token_id, device, max_context))
+                               seed, eos_token_id, device, max_context, processors))
     if batched:
         if not out:
             return mx.zeros((prompt.shape[0], 0), dtype=mx.int32)

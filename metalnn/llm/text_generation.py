@@ -9,7 +9,8 @@ prompt's ids into text pieces as they are generated:
 * with ``stop`` strings, text that could be the beginning of one is held back until it is known
   not to be, and the text ends before the first stop string;
 * the stream ends at an end-of-sequence token (not part of the text), after ``max_tokens``
-  tokens, or when `TextStream.cancel` (thread-safe) or `TextStream.close` is called;
+  tokens, when a logits processor is ``done`` (a grammar is complete, ``finish_reason`` "stop"),
+  or when `TextStream.cancel` (thread-safe) or `TextStream.close` is called;
 * afterwards it tells how many tokens were read and generated, why it ended (``finish_reason``)
   and how fast the prompt and the generation ran.
 
@@ -62,6 +63,9 @@ class TextStream:
         eos_token_ids: ids that end generation (not part of the text). Default: the model's and
             the tokenizer's EOS sets.
         on_finish: called once with the stream when it ends, whatever the reason.
+        processors: logits processors of this sequence, applied in order before sampling (see
+            `metalnn.stream_generate`; e.g. a `metalnn.llm.constrained.GrammarConstraint`). The
+            stream stops ("stop") once one of them is ``done``.
 
     After (or during) iteration: ``text`` (everything yielded), ``tokens`` (generated ids,
     including an end-of-sequence token), ``prompt_tokens``, ``completion_tokens``,
@@ -72,7 +76,7 @@ class TextStream:
 
     def __init__(self, model, tokenizer, prompt, max_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop=None,
-                 eos_token_ids=None, on_finish=None):
+                 eos_token_ids=None, on_finish=None, processors=None):
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("TextStream: the prompt is empty (at least one token is needed)")
@@ -90,6 +94,7 @@ class TextStream:
         self.max_tokens = int(max_tokens)
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
         self.on_finish = on_finish
+        self.processors = list(processors or ())
         self.text = ""
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -143,7 +148,7 @@ class TextStream:
         start = time.perf_counter()
         first = None
         tokens = stream_generate(self.model, self.prompt, self.max_tokens, eos_token_id=tuple(self.eos_token_ids),
-                                 **self.sampling)
+                                 processors=self.processors or None, **self.sampling)
         try:
             for token in tokens:
                 now = time.perf_counter()
@@ -167,6 +172,9 @@ class TextStream:
                 if ready:
                     self.text += ready
                     yield ready
+                if any(getattr(p, "done", False) for p in self.processors):
+                    self.finish_reason = STOP
+                    break
                 if self._cancel.is_set():
                     self.finish_reason = CANCELLED
                     return

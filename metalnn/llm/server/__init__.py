@@ -12,7 +12,10 @@ Endpoints:
 Both generation endpoints take ``max_tokens`` (chat also ``max_completion_tokens``),
 ``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``, ``stop`` (up to 4 strings),
 ``stream`` (server-sent events ending with ``data: [DONE]``) and ``stream_options.include_usage``,
-and answer with ``usage`` counts (plus ``timings``: the server's measured speeds).
+and answer with ``usage`` counts (plus ``timings``: the server's measured speeds). Chat also takes
+``tools`` and ``tool_choice`` (calls come back as ``tool_calls``) and ``response_format`` (JSON,
+or JSON following a schema); both take ``grammar`` (an extension: a Lark grammar in llguidance's
+syntax the output must follow). See `metalnn.llm.server.tools`.
 
 One worker thread generates every request together (continuous batching: up to ``max_batch``
 requests decode in one batched step, new ones join between steps, long prompts are run in chunks

@@ -3,7 +3,8 @@
 Routes: ``GET /`` (the chat page), ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``. Generation requests are validated and
 tokenized here, then handed to the `GenerationWorker`; answers stream back as server-sent events
-(``data: {...}`` chunks, then ``data: [DONE]``) or come whole.
+(``data: {...}`` chunks, then ``data: [DONE]``) or come whole. Tool calls and constrained output
+(a request's grammar) are in `metalnn.llm.server.tools`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ..chat_template import ChatTemplateError
 from ..batching import DraftModel, PromptLookup
 from ..prefix_cache import PrefixCache
 from ..text_generation import CANCELLED
-from . import errors
+from ..tool_prompt import output_format, render_conversation
+from . import errors, tools
 from .errors import SERVER_ERROR, APIError, error_body
 from .limits import BodyLimit
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -85,9 +87,9 @@ class Generations:
             raise APIError(400, f"The model {self.name} has no chat template; use /v1/completions.",
                            param="messages", code="no_chat_template")
         try:
-            return self.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
-                                                      add_generation_prompt=True)
-        except ChatTemplateError as e:
+            return render_conversation(self.tokenizer, [m.as_template_message() for m in body.messages],
+                                       tools.tool_dicts(body), add_generation_prompt=True)
+        except (ChatTemplateError, TypeError) as e:  # TypeError: e.g. a template adding a null content
             raise APIError(400, f"The chat template refused the conversation: {e}", param="messages",
                            code="invalid_conversation") from None
 
@@ -97,10 +99,12 @@ class Generations:
             raise APIError(400, "The prompt encodes to no tokens.", param="prompt", code="invalid_value")
         return ids
 
-    def submit(self, body, prompt: list[int]) -> Job:
+    def submit(self, body, prompt: list[int], constraint=None) -> Job:
         options = {"max_tokens": self.token_limit(len(prompt), body.token_limit), "temperature": body.temperature,
                    "top_p": body.top_p if body.top_p < 1 else None, "top_k": body.top_k or None, "seed": body.seed,
                    "stop": body.stop}
+        if constraint is not None:
+            options["processors"] = [constraint]
         job = Job(prompt, options, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
@@ -114,8 +118,10 @@ class Generations:
 
     # -- responses -----------------------------------------------------------------------------
     async def respond(self, request: Request, body, prompt: list[int], chat: bool):
-        job = self.submit(body, prompt)
-        shape = _ChatShape(self.name) if chat else _CompletionShape(self.name)
+        constraint = await asyncio.to_thread(tools.constraint, self.tokenizer, body)
+        job = self.submit(body, prompt, constraint)
+        calls = tools.ToolCallDeltas(output_format(self.tokenizer)) if chat and tools.parses_tool_calls(body) else None
+        shape = _ChatShape(self.name, calls) if chat else _CompletionShape(self.name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._stream(request, job, shape, include_usage), media_type="text/event-stream",
@@ -133,7 +139,8 @@ class Generations:
             while True:
                 kind, value = await job.events.get()
                 if kind == "text":
-                    yield _sse(shape.piece(value))
+                    for chunk in shape.piece(value):
+                        yield _sse(chunk)
                     continue
                 if kind == "error":
                     yield _sse(error_body(value, SERVER_ERROR))
@@ -142,7 +149,8 @@ class Generations:
                         yield _sse(error_body("The server is shutting down; the answer was cut short.", SERVER_ERROR,
                                               code="shutting_down"))
                 else:
-                    yield _sse(shape.closing(value.finish_reason))
+                    for chunk in shape.closing(value.finish_reason):
+                        yield _sse(chunk)
                     if include_usage:
                         yield _sse(shape.usage(value))
                 break
@@ -178,11 +186,14 @@ async def _cancel_on_disconnect(request: Request, job: Job):
 
 
 class _ChatShape:
-    """``chat.completion`` / ``chat.completion.chunk`` objects."""
+    """``chat.completion`` / ``chat.completion.chunk`` objects (``piece`` and ``closing`` give lists of
+    chunks); with ``tool_calls`` (a `metalnn.llm.server.tools.ToolCallDeltas`) the text is searched
+    for tool calls."""
 
-    def __init__(self, name):
+    def __init__(self, name, tool_calls=None):
         self.base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name,
                      "system_fingerprint": f"metalnn-{__version__}"}
+        self.tool_calls = tool_calls
 
     def _chunk(self, delta, finish_reason=None):
         return {**self.base, "object": "chat.completion.chunk",
@@ -192,19 +203,26 @@ class _ChatShape:
         return self._chunk({"role": "assistant", "content": ""})
 
     def piece(self, text):
-        return self._chunk({"content": text})
+        if self.tool_calls is None:
+            return [self._chunk({"content": text})]
+        return [self._chunk(delta) for delta in self.tool_calls.piece(text)]
 
     def closing(self, finish_reason):
-        return self._chunk({}, finish_reason)
+        deltas = []
+        if self.tool_calls is not None:
+            deltas, finish_reason = self.tool_calls.finish(finish_reason)
+        return [self._chunk(delta) for delta in deltas] + [self._chunk({}, finish_reason)]
 
     def usage(self, stream):
         return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(stream),
                 "timings": _timings(stream)}
 
     def whole(self, stream):
+        message, finish_reason = {"role": "assistant", "content": stream.text}, stream.finish_reason
+        if self.tool_calls is not None:
+            message, finish_reason = self.tool_calls.whole(stream.text, finish_reason)
         return {**self.base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": stream.text}, "logprobs": None,
-                             "finish_reason": stream.finish_reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
                 "usage": _usage(stream), "timings": _timings(stream)}
 
 
@@ -222,10 +240,10 @@ class _CompletionShape:
         return None
 
     def piece(self, text):
-        return self._choice(text)
+        return [self._choice(text)]
 
     def closing(self, finish_reason):
-        return self._choice("", finish_reason)
+        return [self._choice("", finish_reason)]
 
     def usage(self, stream):
         return {**self.base, "choices": [], "usage": _usage(stream), "timings": _timings(stream)}

@@ -2,7 +2,9 @@
 
 Types are strict (a number sent as a string is an error, not converted), ranges are OpenAI's.
 Unknown fields are ignored, as OpenAI's server does; known features the server does not implement
-(``n`` > 1, ``logprobs``, tools, penalties, ``echo``, ``suffix``) are refused when asked for.
+(``n`` > 1, ``logprobs``, penalties, ``echo``, ``suffix``) are refused when asked for.
+Chat takes ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and ``response_format``; both
+endpoints take ``grammar`` (an extension: a Lark grammar in llguidance's syntax).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class _Generation(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict | None = None
     user: str | None = None
+    grammar: str | None = Field(None, min_length=1,
+                                description="the output follows this Lark grammar, llguidance's syntax (extension)")
 
     @field_validator("stop")
     @classmethod
@@ -76,33 +80,159 @@ class TextPart(BaseModel):
     text: str
 
 
+#: the ``tool_choice`` words (or an object naming a function)
+TOOL_CHOICES = ("none", "auto", "required")
+#: OpenAI's rule for function names
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made (sent back in the conversation)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def problem(self) -> tuple[str, str] | None:
+        """``(field, what is wrong)`` when a field is missing or misplaced (checked by the request,
+        which knows the message's index)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            return "content", "it is required (it may be null only in an assistant message with tool_calls)"
+        if self.tool_calls and self.role != "assistant":
+            return "tool_calls", f"only assistant messages have them, not {self.role} ones"
+        if self.role == "tool" and not self.tool_call_id:
+            return "tool_call_id", "it is required in a tool message"
+        return None
 
     def as_template_message(self) -> dict:
-        """``{"role", "content"}`` for the chat template (``developer`` is the system role)."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """The message for `metalnn.llm.tool_prompt.render_conversation`: ``{"role", "content"}``
+        (text parts joined), plus ``tool_calls``, ``tool_call_id`` and ``name`` when given."""
+        text = self.content
+        if isinstance(text, list):
+            text = "".join(p.text for p in text)
+        out = {"role": self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object ({\"name\", \"schema\", \"strict\"})")
+        return self
 
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    tools: list | None = None
-    response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v):
+        if isinstance(v, str) and v not in TOOL_CHOICES:
+            raise ValueError(f"must be one of {', '.join(TOOL_CHOICES)} or "
+                             '{"type": "function", "function": {"name": ...}}')
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _complete_messages(cls, messages):
+        for i, m in enumerate(messages):
+            problem = m.problem()
+            if problem:
+                raise ValueError(f"messages[{i}].{problem[0]}: {problem[1]}")
+        return messages
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be distinct, got {names}")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: a tool choice other than 'none' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: the function {choice.function.name!r} is not among the tools "
+                             f"({', '.join(names)})")
+        structured = self.response_format is not None and self.response_format.type != "text"
+        if structured and self.grammar:
+            raise ValueError("response_format and grammar: give one of them, not both")
+        if self.forces_tool_call and (structured or self.grammar):
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with response_format "
+                             "or grammar (it is a grammar itself)")
+        return self
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """``tool_choice`` is "required" or names a function (and there are tools)."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
     def _unsupported(self):
-        out = []
-        if self.logprobs:
-            out.append("logprobs")
-        if self.tools:
-            out.append("tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out.append("response_format other than text")
-        return out
+        return ["logprobs"] if self.logprobs else []
 
     @property
     def token_limit(self) -> int | None:
