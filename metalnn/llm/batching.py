@@ -105,11 +105,13 @@ class BatchGenerator:
         can_draft: ``can_draft(sequence) -> bool``: whether a row's tokens are plain arg-maxes of the
             logits (no sampling, penalties, constraints or per-token results), so drafts can be
             checked against them. Default: True when ``sample`` is `greedy`.
+        finished: ``finished(sequence) -> bool``, asked after each new token: True ends the
+            sequence with ``"stop"`` (e.g. its grammar is complete). Default: never.
         device: the `metalnn.Device` to run on.
     """
 
     def __init__(self, model, *, sample=None, prefill_chunk: int = 256, max_batch: int = 16, prefix_cache=None,
-                 drafter=None, max_draft: int = 4, can_draft=None, device=None):
+                 drafter=None, max_draft: int = 4, can_draft=None, finished=None, device=None):
         if int(prefill_chunk) < 1 or int(max_batch) < 1:
             raise ValueError(f"BatchGenerator: prefill_chunk and max_batch must be at least 1, got {prefill_chunk} "
                              f"and {max_batch}")
@@ -120,6 +122,7 @@ class BatchGenerator:
         if can_draft is None:
             can_draft = (lambda seq: True) if self.sample is greedy else (lambda seq: False)
         self.can_draft = can_draft
+        self.finished = finished
         self.steps = 0  # batched decoding passes run
         self._ids = itertools.count()
         self._waiting: deque = deque()   # sequences whose prompt has not finished
@@ -261,7 +264,7 @@ class BatchGenerator:
 
     def _record(self, seq: Sequence, token: int) -> Event:
         seq.tokens.append(int(token))
-        if token in seq.eos:
+        if token in seq.eos or (self.finished is not None and self.finished(seq)):
             seq.finish_reason = STOP
         elif len(seq.tokens) >= seq.max_tokens:
             seq.finish_reason = LENGTH

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..batching import LENGTH, STOP, BatchGenerator
+from ..batching import STOP, BatchGenerator
 from ..generation import sample_logits
 from ..text_pieces import TextPieces
 
@@ -118,7 +118,13 @@ class Job:
 
 def plain_greedy(sequence) -> bool:
     """Whether a row's tokens are plain arg-maxes (its drafts can then be checked in one pass)."""
-    return not sequence.state.options.get("temperature")
+    o = sequence.state.options
+    return not o.get("temperature") and not o.get("processors")
+
+
+def grammar_done(sequence) -> bool:
+    """Whether a row's constraint is complete (its answer ends there)."""
+    return any(getattr(p, "done", False) for p in sequence.state.options.get("processors") or ())
 
 
 def sample_rows(sequences, logits) -> list:
@@ -127,6 +133,13 @@ def sample_rows(sequences, logits) -> list:
     seeded request gets the same tokens whatever else is in the batch)."""
     jobs = [s.state for s in sequences]
     picked = [None] * len(jobs)
+    processors = [j.options.get("processors") or () for j in jobs]
+    if any(processors):  # constrained rows: their masks on their own logits rows
+        rows = [logits[i] for i in range(len(jobs))]
+        for i, procs in enumerate(processors):
+            for p in procs:
+                rows[i] = p(rows[i])
+        logits = mx.stack(rows)
     greedy = [i for i, j in enumerate(jobs) if not j.options.get("temperature")]
     lazy = []
     if greedy:
@@ -144,6 +157,9 @@ def sample_rows(sequences, logits) -> list:
     for rows, arr in lazy:
         for r, t in zip(rows, arr.tolist()):
             picked[r] = int(t)
+    for procs, token in zip(processors, picked):
+        for p in procs:
+            p.accept(token)
     return picked
 
 
@@ -184,7 +200,7 @@ class GenerationWorker:
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self.model, sample=sample_rows, prefill_chunk=self.prefill_chunk,
                               max_batch=self.max_batch, prefix_cache=self.prefix_cache, drafter=self.drafter,
-                              max_draft=self.max_draft, can_draft=plain_greedy)
+                              max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done)
 
     def start(self):
         self._thread = threading.Thread(target=self._serve, name="metalnn-generation", daemon=True)
@@ -320,7 +336,7 @@ class GenerationWorker:
             reason = STOP
         if reason is None:
             return
-        if reason == LENGTH:
+        if not job._pieces.stopped:  # the limit or a completed grammar: the held-back text is final
             rest = job._pieces.flush()
             if rest:
                 job.send("text", rest)
