@@ -38,9 +38,9 @@ class EmbeddingRequest(BaseModel):
     @field_validator("input")
     @classmethod
     def _inputs(cls, v):
-        items = [v] if isinstance(v, str) else v
-        if not items:
+        if isinstance(v, list) and not v:
             raise ValueError("the input list is empty")
+        items = [v] if isinstance(v, str) or isinstance(v[0], int) else v  # a token list is one input
         if len(items) > MAX_INPUTS:
             raise ValueError(f"at most {MAX_INPUTS} inputs are allowed, got {len(items)}")
         if isinstance(items[0], (str, list)):
