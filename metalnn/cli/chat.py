@@ -72,7 +72,7 @@ def chat_loop(session, read=input, write=_stdout, status=_stderr) -> int:
         except ContextFull as e:
             status(f"[not sent: {e}]\n")
             continue
-        context = session.model.context_length
+        context = getattr(session.model, "context_length", None)
         if session.dropped:
             status(f"[the {session.dropped} oldest message{'s' if session.dropped > 1 else ''} dropped to fit the "
                    f"model's context length of {context} tokens]\n")

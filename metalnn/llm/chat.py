@@ -85,7 +85,7 @@ class ChatSession:
         kept = list(self.history)
         render = lambda: self.tokenizer.apply_chat_template(kept + [message], add_generation_prompt=True)  # noqa: E731
         prompt = render()
-        context = self.model.context_length
+        context = getattr(self.model, "context_length", None)  # None: a model that states none
         if context is None:
             return kept, prompt, max_tokens
         while len(prompt) + max_tokens > context:
