@@ -332,3 +332,45 @@ def test_bad_embedding_requests_get_an_openai_error(server, body, status, mentio
     assert got == status, (got, error)
     assert mention in error["message"] or mention == error["param"], error
     assert server.health()["failed"] == 0
+
+
+def test_embeddings_and_generations_at_once_all_get_their_own_answers(client, tiny, local):
+    """Embeddings run on the worker thread in their turn: mixed with streamed chats, every answer is
+    the one it gets alone."""
+    import concurrent.futures
+
+    model, tok = local
+    prompts = [f"Mixed request {i}" for i in range(4)]
+    chats = ["".join(TextStream(model, tok, tok.apply_chat_template([{"role": "user", "content": p}]), 12,
+                                temperature=0.0)) for p in prompts]
+    want = reference_embeddings(tiny, [tok.encode(p) for p in prompts])
+
+    def chat(i):
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[i]}],
+                                                max_tokens=12, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    def embedding(i):
+        return client.embeddings.create(model="tiny", input=prompts[i]).data[0].embedding
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(chat, i) for i in range(4)]
+        vectors = [pool.submit(embedding, i) for i in range(4)]
+        assert [a.result() for a in answers] == chats
+        np.testing.assert_allclose(np.array([v.result() for v in vectors]), want, atol=1e-5)  # as above
+
+
+def test_health_is_503_while_the_worker_does_not_run(local):
+    from fastapi.testclient import TestClient
+
+    from metalnn.llm.server import ServerSettings, create_app
+
+    model, tok = local
+    app = create_app(model, tok, ServerSettings(api_key=KEY), "tiny")
+    idle = TestClient(app).get("/health")  # no lifespan: the worker never started
+    assert idle.status_code == 503
+    assert idle.json()["status"] == "unavailable" and idle.json()["worker"] == "stopped"
+    with TestClient(app) as running:
+        health = running.get("/health")
+        assert health.status_code == 200 and health.json()["worker"] == "running"
+    assert not app.state.worker.alive  # stopped with the application
