@@ -262,9 +262,24 @@ def test_metrics_count_requests_tokens_and_latencies(server, client, local):
     # every observation falls in the +Inf bucket
     assert value(after, "metalnn_time_to_first_token_seconds_bucket", le="+Inf") == \
         value(after, "metalnn_time_to_first_token_seconds_count")
-    # idle now; the prefix cache is declared (nothing reports to it yet)
     assert value(after, "metalnn_queue_depth") == 0 and value(after, "metalnn_running_sequences") == 0
-    assert ("metalnn_prefix_cache_hit_tokens_total", frozenset()) in after
+
+
+def test_metrics_count_prefix_cache_hits(server, client):
+    """The same conversation twice: the second prompt starts from the first one's cached keys and values;
+    the counter moves by what the answers report as cached."""
+    messages = [{"role": "system", "content": "A system prompt long enough to be worth caching."},
+                {"role": "user", "content": "Say something"}]
+    server.wait_idle()
+    before = scrape(server)
+    answers = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+               for _ in range(2)]
+    cached = [(a.usage.prompt_tokens_details.cached_tokens if a.usage.prompt_tokens_details else 0) for a in answers]
+    assert cached[1] > 0
+    server.wait_idle()
+    after = scrape(server)
+    assert value(after, "metalnn_prefix_cache_hit_tokens_total") - value(before, "metalnn_prefix_cache_hit_tokens_total") \
+        == sum(cached)
 
 
 # -- embeddings ----------------------------------------------------------------------------------
