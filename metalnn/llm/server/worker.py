@@ -233,8 +233,9 @@ class GenerationWorker:
 
     def status(self) -> dict:
         with self._lock:
-            return {"worker": "running" if self.alive else "stopped", "running": self._running, "waiting": self._waiting, "max_queue": self.max_queue,
-                    "max_batch": self.max_batch, **self.counts, "generated_tokens": self.generated_tokens}
+            return {"worker": "running" if self.alive else "stopped", "running": self._running,
+                    "waiting": self._waiting, "max_queue": self.max_queue, "max_batch": self.max_batch, **self.counts,
+                    "generated_tokens": self.generated_tokens}
 
     # -- the worker thread ---------------------------------------------------------------------
     def _serve(self):

@@ -278,8 +278,8 @@ def test_metrics_count_prefix_cache_hits(server, client):
     assert cached[1] > 0
     server.wait_idle()
     after = scrape(server)
-    assert value(after, "metalnn_prefix_cache_hit_tokens_total") - value(before, "metalnn_prefix_cache_hit_tokens_total") \
-        == sum(cached)
+    hits = "metalnn_prefix_cache_hit_tokens_total"
+    assert value(after, hits) - value(before, hits) == sum(cached)
 
 
 # -- embeddings ----------------------------------------------------------------------------------
