@@ -5,14 +5,14 @@ from __future__ import annotations
 import statistics
 import time
 
-from .common import add_model, load, positive_int
+from .common import CommandError, add_model, load, positive_int
 
 
 def add_parser(commands):
     p = commands.add_parser("bench", help="measure prompt and generation tokens/s", description=(
         "Measure a model's speed: prompt tokens/s (a prompt of random tokens, up to the first new token) and "
         "generation tokens/s (the following tokens, greedy, no early stop). One warm-up run, then the median "
-        "of --runs runs."))
+        "of --runs runs. --prompt-tokens plus --gen-tokens must fit the model's context length."))
     add_model(p)
     p.add_argument("--prompt-tokens", type=positive_int, default=128, metavar="N", help="prompt length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, metavar="N", help="tokens to generate (default 64)")
@@ -39,6 +39,11 @@ def run(args):
     import numpy as np
 
     model, _ = load(args.model, tokenizer=False)
+    context = model.context_length
+    if context is not None and args.prompt_tokens + args.gen_tokens > context:
+        raise CommandError(f"--prompt-tokens {args.prompt_tokens} and --gen-tokens {args.gen_tokens} make "
+                           f"{args.prompt_tokens + args.gen_tokens} positions; the model's context length is "
+                           f"{context} tokens")
     prompt = np.random.default_rng(args.seed).integers(0, model.vocab_size, args.prompt_tokens).tolist()
     measure(model, prompt, min(args.gen_tokens, 4))  # warm-up: first-call compilation
     mx.reset_peak_memory()

@@ -54,6 +54,25 @@ def sampling(args) -> dict:
             "top_k": args.top_k, "seed": args.seed}
 
 
+def fit_context(model, prompt_tokens: int, max_tokens: int, note=None) -> int:
+    """``max_tokens`` within the model's context length: a prompt that leaves no room is refused
+    (`CommandError`); when the prompt and ``max_tokens`` would run past the context, the room left
+    (and ``note(text)`` says so). A model that does not state its context length is not limited."""
+    context = model.context_length
+    if context is None:
+        return max_tokens
+    room = context - prompt_tokens
+    if room < 1:
+        raise CommandError(f"the prompt has {prompt_tokens} tokens and the model's context length is {context} "
+                           "tokens: no room is left to generate; shorten the prompt")
+    if max_tokens > room:
+        if note is not None:
+            note(f"[--max-tokens {max_tokens} lowered to {room}: the prompt has {prompt_tokens} tokens and the "
+                 f"model's context length is {context}]\n")
+        return room
+    return max_tokens
+
+
 def positive_int(text: str) -> int:
     import argparse
 

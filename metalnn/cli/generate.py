@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from .common import CommandError, add_model, add_sampling, load, sampling
+from .common import CommandError, add_model, add_sampling, fit_context, load, sampling
 
 
 def add_parser(commands):
     p = commands.add_parser("generate", help="generate text after a prompt", description=(
         "Generate text after a prompt (or, with --chat, the answer to it through the chat template), "
-        "streamed to stdout as it comes; prompt and generation speeds go to stderr."))
+        "streamed to stdout as it comes; prompt and generation speeds go to stderr. The prompt and the new tokens "
+        "stay within the model's context length: a prompt that fills it is refused, and --max-tokens is lowered "
+        "to the room the prompt leaves (with a note on stderr)."))
     add_model(p)
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt ('-' reads it from stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
@@ -42,7 +44,8 @@ def run(args, out=None, err=None):
     ids = prompt_ids(tok, text, args.chat, args.system)
     if not ids:
         raise CommandError("the prompt encodes to no tokens; give a non-empty --prompt")
-    stream = TextStream(model, tok, ids, options.pop("max_tokens"), stop=args.stop, **options)
+    max_tokens = fit_context(model, len(ids), options.pop("max_tokens"), err.write)
+    stream = TextStream(model, tok, ids, max_tokens, stop=args.stop, **options)
     for piece in stream:
         out.write(piece)
         out.flush()

@@ -9,9 +9,11 @@ def add_parser(commands):
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API with a chat page",
                             description=(
         "Serve one model over HTTP: GET /v1/models, POST /v1/chat/completions and /v1/completions (streaming "
-        "or not), GET /health, and a chat page at /. Requests are decoded together (continuous batching); "
-        "prompts that begin as an earlier one did reuse its cached computation; past the queue the server "
-        "answers 503."))
+        "or not), POST /v1/embeddings, GET /health, GET /metrics (Prometheus) and a chat page at /. Requests are "
+        "decoded together (continuous batching); prompts that begin as an earlier one did reuse its cached "
+        "computation; past the queue the server answers 503. With an API key (--api-key, --api-key-file or the "
+        "environment variable METALNN_API_KEY, in that order) every path but / and /health answers 401 without "
+        "'Authorization: Bearer KEY'; the chat page asks for it."))
     add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
@@ -38,6 +40,11 @@ def add_parser(commands):
                    help="new tokens of a request that gives no max_tokens (default 1024)")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, metavar="N",
                    help="largest request body (default 1 MiB); larger ones get HTTP 413")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", metavar="KEY",
+                     help="the key clients must send as 'Authorization: Bearer KEY' (other users of this machine "
+                          "can see a command line: prefer --api-key-file or METALNN_API_KEY)")
+    key.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (default info)")
     p.set_defaults(run=run)
@@ -45,6 +52,7 @@ def add_parser(commands):
 
 def run(args):
     from ..llm.server import ServerSettings, serve
+    from ..llm.server.auth import load_api_key
 
     settings = ServerSettings(host=args.host, port=args.port, model_name=args.model_name, max_queue=args.max_queue,
                               max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
@@ -52,5 +60,5 @@ def run(args):
                               prompt_cache_dir=args.prompt_cache_dir, draft_model=args.draft_model,
                               prompt_lookup=args.prompt_lookup, max_draft=args.max_draft,
                               max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
-                              log_level=args.log_level)
+                              log_level=args.log_level, api_key=load_api_key(args.api_key, args.api_key_file))
     serve(args.model, settings)

@@ -28,7 +28,7 @@ import mlx.core as mx
 from ... import init as initializers
 from ... import quantization
 from ...data import Data, MTLSize
-from ...device import Device
+from ...device import Device, resolve
 from ...errors import UnsupportedConfigError
 from ...layers.attention import KVCache
 from ...layers.base import Layer
@@ -252,6 +252,27 @@ class CausalLM(Layer):
         b, t = (1, tokens.shape[0]) if tokens.ndim == 1 else tokens.shape
         out = self.compile(device, Data(tokens.reshape(b, t)), cache=cache).array
         return out.reshape(t, -1) if tokens.ndim == 1 else out
+
+    def hidden_states(self, tokens, *, device: Device | None = None) -> mx.array:
+        """The final hidden states (the backbone's output, after the final norm, before the output
+        head) of integer ``tokens`` ``[B, T]`` -> ``[B, T, hidden]`` (``[T]`` -> ``[T, hidden]``).
+
+        Positions attend causally, as in ``model(tokens)``: each row's states at positions ``< t``
+        do not depend on the tokens from ``t`` on (so right padding leaves earlier states unchanged).
+        """
+        tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
+        if tokens.ndim not in (1, 2) or tokens.shape[-1] == 0:
+            raise ValueError(f"{self._describe()}: tokens must be [T] or [B, T] with T >= 1, got shape "
+                             f"{tuple(tokens.shape)}")
+        if not mx.issubdtype(tokens.dtype, mx.integer):
+            raise TypeError(f"{self._describe()}: tokens must be integers, got {tokens.dtype}")
+        b, t = (1, tokens.shape[0]) if tokens.ndim == 1 else tokens.shape
+        self._check_positions(None, t)
+        device = resolve(device)
+        with mx.stream(device.stream):
+            h = self.compile_child(self.backbone, device, Data(tokens.reshape(b, t).astype(mx.int32))).array
+        h = h.reshape(b, t, -1)
+        return h[0] if tokens.ndim == 1 else h
 
     def forward(self, device, data, cache=None):
         """Token ids ``(W=T, H=1, D=B)`` -> logits ``(W=vocab, H=T, D=B)``."""

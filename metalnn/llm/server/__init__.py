@@ -7,7 +7,14 @@ Endpoints:
 * ``GET /v1/models``: the one model served;
 * ``POST /v1/chat/completions``: ``messages`` through the model's chat template;
 * ``POST /v1/completions``: a plain ``prompt``;
-* ``GET /health``: ``{"status": "ok", ...}`` with the queue's state and request counts.
+* ``POST /v1/embeddings``: the model's final hidden states, mean-pooled and L2-normalised;
+* ``GET /health``: ``{"status": "ok", ...}`` with the worker's state, the queue's and request counts
+  (503 and ``"unavailable"`` once the worker has stopped);
+* ``GET /metrics``: Prometheus metrics (`metalnn.llm.server.metrics`).
+
+With an API key (``ServerSettings.api_key``), every path but ``/`` and ``/health`` answers 401 unless
+the request sends ``Authorization: Bearer KEY``; the chat page then asks for the key. A request for a
+model other than the one served gets 404 ``model_not_found``.
 
 Both generation endpoints take ``max_tokens`` (chat also ``max_completion_tokens``),
 ``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``, ``stop`` (up to 4 strings),
@@ -61,6 +68,7 @@ class ServerSettings:
         max_tokens: new tokens for a request that does not say (always within the context length).
         max_body_bytes: largest request body; larger ones get HTTP 413.
         log_level: uvicorn's log level.
+        api_key: the key clients must send (``Authorization: Bearer KEY``); None: no key needed.
     """
 
     host: str = "127.0.0.1"
@@ -77,6 +85,7 @@ class ServerSettings:
     max_tokens: int = 1024
     max_body_bytes: int = 1 << 20
     log_level: str = "info"
+    api_key: str | None = None
 
 
 def model_name(source) -> str:
@@ -142,7 +151,8 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None):
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     if announce is None:
-        print(f"metalnn serve: {name} at {url}/ (chat page), OpenAI API at {url}/v1", flush=True)
+        needs_key = " (API key required)" if settings.api_key is not None else ""
+        print(f"metalnn serve: {name} at {url}/ (chat page), OpenAI API at {url}/v1{needs_key}", flush=True)
     else:
         announce(url)
     config = uvicorn.Config(app, log_level=settings.log_level, lifespan="on", timeout_graceful_shutdown=10)

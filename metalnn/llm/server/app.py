@@ -1,10 +1,13 @@
 """The FastAPI application: the OpenAI API subset, the health check and the chat page.
 
-Routes: ``GET /`` (the chat page), ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
-``POST /v1/chat/completions``, ``POST /v1/completions``. Generation requests are validated and
-tokenized here, then handed to the `GenerationWorker`; answers stream back as server-sent events
-(``data: {...}`` chunks, then ``data: [DONE]``) or come whole. Tool calls and constrained output
-(a request's grammar) are in `metalnn.llm.server.tools`.
+Routes: ``GET /`` (the chat page), ``GET /health``, ``GET /metrics``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/embeddings``. Generation requests are validated and tokenized here, then handed to the
+`GenerationWorker`; answers stream back as server-sent events (``data: {...}`` chunks, then
+``data: [DONE]``) or come whole. A request naming a ``model`` other than the served one gets 404
+``model_not_found`` (leaving ``model`` out is fine). With ``settings.api_key`` every path but ``/``
+and ``/health`` needs ``Authorization: Bearer KEY`` (`metalnn.llm.server.auth`). Tool calls and constrained
+output (a request's grammar) are in `metalnn.llm.server.tools`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from contextlib import asynccontextmanager
 from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ... import __version__
 from ..chat_template import ChatTemplateError
@@ -25,8 +28,11 @@ from ..prefix_cache import PrefixCache
 from ..text_generation import CANCELLED
 from ..tool_prompt import output_format, render_conversation
 from . import errors, tools
+from .auth import APIKeyAuth
+from .embeddings import EmbeddingRequest, Embeddings
 from .errors import SERVER_ERROR, APIError, error_body
 from .limits import BodyLimit
+from .metrics import RequestMetrics, ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .worker import GenerationWorker, Job, QueueFull, ShuttingDown
 
@@ -34,8 +40,33 @@ from .worker import GenerationWorker, Job, QueueFull, ShuttingDown
 DISCONNECT_POLL = 0.25
 
 
-def chat_page() -> str:
-    return resources.files(__package__).joinpath("static", "chat.html").read_text(encoding="utf-8")
+#: the chat page's flag that tells it to ask for an API key
+KEY_FLAG = '<meta name="metalnn-api-key-required" content="{}">'
+
+
+def chat_page(key_required: bool = False) -> str:
+    page = resources.files(__package__).joinpath("static", "chat.html").read_text(encoding="utf-8")
+    if KEY_FLAG.format("false") not in page:
+        raise RuntimeError(f"chat.html lacks its flag {KEY_FLAG.format('false')}")
+    return page.replace(KEY_FLAG.format("false"), KEY_FLAG.format("true" if key_required else "false"))
+
+
+def model_not_found(model_id: str, served: str) -> APIError:
+    """OpenAI's answer to a model it does not have: 404, code ``model_not_found``."""
+    return APIError(404, f"The model '{model_id}' does not exist; this server serves '{served}'.",
+                    param="model", code="model_not_found")
+
+
+def enqueue(worker: GenerationWorker, job: Job):
+    """Queue ``job`` on ``worker``; a full queue or a stopping server is a 503 `APIError`."""
+    try:
+        worker.submit(job)
+    except QueueFull:
+        raise APIError(503, f"The server is busy: {worker.max_queue} requests are already waiting. "
+                       "Try again shortly.", type=SERVER_ERROR, code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except ShuttingDown:
+        raise APIError(503, "The server is shutting down.", type=SERVER_ERROR, code="shutting_down") from None
 
 
 def _sse(data) -> str:
@@ -106,17 +137,14 @@ class Generations:
         if constraint is not None:
             options["processors"] = [constraint]
         job = Job(prompt, options, asyncio.get_running_loop())
-        try:
-            self.worker.submit(job)
-        except QueueFull:
-            raise APIError(503, f"The server is busy: {self.worker.max_queue} requests are already waiting. "
-                           "Try again shortly.", type=SERVER_ERROR, code="queue_full",
-                           headers={"Retry-After": "1"}) from None
-        except ShuttingDown:
-            raise APIError(503, "The server is shutting down.", type=SERVER_ERROR, code="shutting_down") from None
+        enqueue(self.worker, job)
         return job
 
     # -- responses -----------------------------------------------------------------------------
+    def check_model(self, body):
+        if body.model is not None and body.model != self.name:
+            raise model_not_found(body.model, self.name)
+
     async def respond(self, request: Request, body, prompt: list[int], chat: bool):
         constraint = await asyncio.to_thread(tools.constraint, self.tokenizer, body)
         job = self.submit(body, prompt, constraint)
@@ -259,6 +287,7 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
     The generation worker starts with the application and stops with it.
     """
     prefix_cache = PrefixCache(settings.prompt_cache_bytes) if settings.prompt_cache_bytes else None
+    metrics = ServerMetrics()
     drafter = None
     if draft_model is not None:
         drafter = DraftModel(draft_model)
@@ -267,9 +296,12 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
     worker = GenerationWorker(model, tokenizer, settings.max_queue, max_batch=settings.max_batch,
                               prefix_cache=prefix_cache, prefill_chunk=settings.prefill_chunk, drafter=drafter,
                               max_draft=getattr(settings, "max_draft", 4),
-                              prompt_cache_dir=settings.prompt_cache_dir if prefix_cache is not None else None)
+                              prompt_cache_dir=settings.prompt_cache_dir if prefix_cache is not None else None,
+                              metrics=metrics)
     generations = Generations(model, tokenizer, worker, name, settings)
-    page = chat_page()
+    embeddings = Embeddings(model, tokenizer, name, lambda job: enqueue(worker, job))
+    api_key = getattr(settings, "api_key", None)
+    page = chat_page(key_required=api_key is not None)
     started = int(time.time())
 
     @asynccontextmanager
@@ -279,9 +311,14 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
         await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="metalnn", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.worker = worker
+    app.state.worker, app.state.metrics = worker, metrics
     errors.install(app)
+    # the last added runs first: metrics see every answer (401s included); the key is checked
+    # before a body is read
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(APIKeyAuth, key=api_key)
+    app.add_middleware(RequestMetrics, metrics=metrics, routes=app.router.routes)
     card = {"id": name, "object": "model", "created": started, "owned_by": "metalnn",
             "context_length": generations.context}
 
@@ -291,7 +328,15 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, **worker.status()}
+        status = worker.status()
+        if status["worker"] != "running":  # stopped (shutting down) or crashed: no answers to expect
+            return JSONResponse({"status": "unavailable", "model": name, **status}, status_code=503)
+        return {"status": "ok", "model": name, **status}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def list_models():
@@ -300,16 +345,22 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         if model_id != name:
-            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{name}'.",
-                           type=errors.NOT_FOUND, param="model", code="model_not_found")
+            raise model_not_found(model_id, name)
         return card
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        generations.check_model(body)
         return await generations.respond(request, body, generations.chat_prompt(body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        generations.check_model(body)
         return await generations.respond(request, body, generations.completion_prompt(body), chat=False)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest):
+        generations.check_model(body)
+        return await embeddings.respond(body)
 
     return app

@@ -15,6 +15,11 @@ the request's event loop: ``("text", piece)`` for each piece of text, then ``("e
 `GenerationWorker.submit` raises `QueueFull` when ``max_queue`` jobs already wait for a row of the
 batch (``max_batch`` run at once). A job can be cancelled at any time (the client left, the server
 is stopping): a waiting job is dropped, a running one leaves the batch before the next step.
+
+A `Call` is other MLX work (embeddings): the worker runs it on its thread between two steps of the
+batch, so it never runs beside one, and sends back its result. With a
+`metalnn.llm.server.metrics.ServerMetrics`, the worker reports the queue's depth, the sequences in the
+batch, tokens read and generated, prefix-cache hits and each request's time to its first token.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class Job:
 
     def __init__(self, prompt, options: dict, loop: asyncio.AbstractEventLoop):
         self.prompt, self.options, self.loop = list(prompt), dict(options), loop
+        self.submitted = time.perf_counter()
         self.events: asyncio.Queue = asyncio.Queue()
         self.result: Completion | None = None
         self.cancel_reason: str | None = None
@@ -125,6 +131,16 @@ def plain_greedy(sequence) -> bool:
 def grammar_done(sequence) -> bool:
     """Whether a row's constraint is complete (its answer ends there)."""
     return any(getattr(p, "done", False) for p in sequence.state.options.get("processors") or ())
+
+
+class Call(Job):
+    """Work for the worker thread other than a generation: ``fn()`` (MLX work such as embeddings, which
+    must not run beside the batch's steps), whose result comes back as ``("end", result)``, or
+    ``("error", message)`` when it raises. ``prompt_tokens``: the tokens it reads (for the metrics)."""
+
+    def __init__(self, fn, loop: asyncio.AbstractEventLoop, prompt_tokens: int = 0):
+        super().__init__([], {}, loop)
+        self.fn, self.prompt_tokens = fn, int(prompt_tokens)
 
 
 def sample_rows(sequences, logits) -> list:
@@ -175,11 +191,14 @@ class GenerationWorker:
         drafter, max_draft: speculative decoding of greedy requests (see `metalnn.llm.batching`).
         prompt_cache_dir: a folder the prefix cache is read from when the worker starts and written
             to when it stops (on the worker's thread: MLX arrays belong to the thread's stream).
+        metrics: a `metalnn.llm.server.metrics.ServerMetrics` to report to (None: none).
     """
 
     def __init__(self, model, tokenizer, max_queue: int = 16, *, max_batch: int = 8, prefix_cache=None,
-                 prefill_chunk: int = 256, drafter=None, max_draft: int = 4, prompt_cache_dir=None):
+                 prefill_chunk: int = 256, drafter=None, max_draft: int = 4, prompt_cache_dir=None,
+                 metrics=None):
         self.model, self.tokenizer, self.max_queue = model, tokenizer, int(max_queue)
+        self.metrics = metrics
         self.max_batch, self.prefix_cache, self.prefill_chunk = int(max_batch), prefix_cache, int(prefill_chunk)
         self.drafter, self.max_draft = drafter, int(max_draft)
         self.prompt_cache_dir = prompt_cache_dir
@@ -217,6 +236,8 @@ class GenerationWorker:
             self._open.add(job)
             self._waiting += 1
             self._inbox.put(job)
+            if self.metrics is not None:
+                self.metrics.queue_depth(self._waiting)
 
     def cancel_all(self, reason: str = "shutdown"):
         """Take no new jobs and cancel every waiting and running one."""
@@ -233,10 +254,16 @@ class GenerationWorker:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread runs (started and not stopped or crashed)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def status(self) -> dict:
         with self._lock:
-            return {"running": self._running, "waiting": self._waiting, "max_queue": self.max_queue,
-                    "max_batch": self.max_batch, **self.counts, "generated_tokens": self.generated_tokens}
+            return {"worker": "running" if self.alive else "stopped", "running": self._running,
+                    "waiting": self._waiting, "max_queue": self.max_queue, "max_batch": self.max_batch, **self.counts,
+                    "generated_tokens": self.generated_tokens}
 
     # -- the worker thread ---------------------------------------------------------------------
     def _serve(self):
@@ -295,6 +322,9 @@ class GenerationWorker:
                 job.send("end", None)
                 self._finish(job, "cancelled", waiting=True)
                 continue
+            if isinstance(job, Call):  # between two steps of the batch: nothing else runs
+                self._finish(job, self._call(job), waiting=True)
+                continue
             o = job.options
             job._pieces = TextPieces(self.tokenizer, o.get("stop") or (), self.eos)
             job._key = mx.random.key(o["seed"]) if o.get("seed") is not None else None
@@ -323,9 +353,15 @@ class GenerationWorker:
             job._first = now
             r.prompt_seconds = now - job._started
             r.cached_tokens = job._seq.cached_prefix
+            if self.metrics is not None:
+                self.metrics.first_token(now - job.submitted)
+                self.metrics.tokens(prompt=r.prompt_tokens)
+                self.metrics.prefix_cache_hit(r.cached_tokens)
             with self._lock:
                 self._waiting -= 1
         r.tokens.append(event.token)
+        if self.metrics is not None:
+            self.metrics.tokens(generated=1)
         r.generation_seconds = now - job._first
         piece = job._pieces.feed(event.token)
         if piece:
@@ -357,6 +393,22 @@ class GenerationWorker:
     def _count(self):
         with self._lock:
             self._running = len(self._jobs) - self._waiting_in_generator()
+            waiting = self._waiting
+        if self.metrics is not None:
+            self.metrics.queue_depth(waiting)
+            self.metrics.running(len(self._jobs))
+
+    def _call(self, job: Call) -> str:
+        try:
+            result = job.fn()
+        except Exception as e:  # reported to the client; the worker goes on
+            log.exception("%s failed", getattr(job.fn, "__name__", "a call"))
+            job.send("error", f"{type(e).__name__}: {e}")
+            return "failed"
+        if self.metrics is not None:
+            self.metrics.tokens(prompt=job.prompt_tokens)
+        job.send("end", result)
+        return "completed"
 
     def _waiting_in_generator(self) -> int:
         return sum(1 for job in self._jobs.values() if not job.result.tokens)
