@@ -11,7 +11,9 @@ prompt's ids into text pieces as they are generated:
 * the stream ends at an end-of-sequence token (not part of the text), after ``max_tokens``
   tokens, or when `TextStream.cancel` (thread-safe) or `TextStream.close` is called;
 * afterwards it tells how many tokens were read and generated, why it ended (``finish_reason``)
-  and how fast the prompt and the generation ran.
+  and how fast the prompt and the generation ran;
+* ``choices`` holds each generated token's `metalnn.llm.sampling.TokenChoice` as it comes (with
+  its log-probabilities when the `SamplingParams` ask for them).
 
 >>> stream = TextStream(model, tokenizer, tokenizer.encode("Once upon a time"), max_tokens=50)
 >>> for piece in stream:
@@ -24,7 +26,8 @@ from __future__ import annotations
 import threading
 import time
 
-from .generation import stream_generate
+from .generation import sampling_params, stream_choices
+from .sampling import SamplingParams, TokenChoice
 
 #: ``finish_reason`` values: an end-of-sequence token or a stop string; ``max_tokens`` reached;
 #: `TextStream.cancel` / `TextStream.close` (or an exception) ended it early
@@ -57,22 +60,26 @@ class TextStream:
         tokenizer: a `metalnn.llm.tokenizer.Tokenizer` (its ``tokenizers`` object decodes).
         prompt: the prompt's token ids (``list[int]``, at least one).
         max_tokens: the most tokens to generate (at least 1).
-        temperature, top_k, top_p, seed: sampling, as `metalnn.generate` (temperature 0: greedy).
+        sampling: a `metalnn.llm.sampling.SamplingParams` (default: greedy decoding).
+        temperature, top_k, top_p, seed: instead of ``sampling``, as `metalnn.generate`.
+        processors: `metalnn.llm.sampling.LogitsProcessor` s of this sequence (e.g. a grammar).
         stop: a string or strings that end the text (the stop string itself is not part of it).
         eos_token_ids: ids that end generation (not part of the text). Default: the model's and
             the tokenizer's EOS sets.
         on_finish: called once with the stream when it ends, whatever the reason.
 
     After (or during) iteration: ``text`` (everything yielded), ``tokens`` (generated ids,
-    including an end-of-sequence token), ``prompt_tokens``, ``completion_tokens``,
+    including an end-of-sequence token), ``choices`` (their `TokenChoice` s, in step with
+    ``tokens``), ``text_choices`` (those of the tokens that are part of the text: all but an
+    end-of-sequence token), ``prompt_tokens``, ``completion_tokens``,
     ``finish_reason`` (`STOP`, `LENGTH`, `CANCELLED`; None while running), ``prompt_seconds``
     (time to the first new token), ``generation_seconds`` (from the first to the last new token),
     ``prompt_tps`` and ``generation_tps`` (tokens per second).
     """
 
-    def __init__(self, model, tokenizer, prompt, max_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop=None,
-                 eos_token_ids=None, on_finish=None):
+    def __init__(self, model, tokenizer, prompt, max_tokens: int, *, sampling: SamplingParams | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop=None, eos_token_ids=None, on_finish=None, processors=()):
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("TextStream: the prompt is empty (at least one token is needed)")
@@ -88,10 +95,12 @@ class TextStream:
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self.model, self.tokenizer, self.prompt = model, tokenizer, prompt
         self.max_tokens = int(max_tokens)
-        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        self.sampling = sampling_params(sampling, temperature, top_k, top_p, seed)
+        self.processors = tuple(processors)
         self.on_finish = on_finish
         self.text = ""
         self.tokens: list[int] = []
+        self.choices: list[TokenChoice] = []
         self.finish_reason: str | None = None
         self.prompt_seconds = 0.0
         self.generation_seconds = 0.0
@@ -105,6 +114,13 @@ class TextStream:
     @property
     def completion_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def text_choices(self) -> list[TokenChoice]:
+        """The `TokenChoice` s of the tokens that make the text (an end-of-sequence token left out)."""
+        if self.finish_reason == STOP and self.tokens and self.tokens[-1] in self.eos_token_ids:
+            return self.choices[:-1]
+        return self.choices
 
     @property
     def prompt_tps(self) -> float:
@@ -142,16 +158,18 @@ class TextStream:
         pending = ""  # decoded text not shown yet: it may be the beginning of a stop string
         start = time.perf_counter()
         first = None
-        tokens = stream_generate(self.model, self.prompt, self.max_tokens, eos_token_id=tuple(self.eos_token_ids),
-                                 **self.sampling)
+        tokens = stream_choices(self.model, self.prompt, self.max_tokens, self.sampling,
+                                eos_token_id=tuple(self.eos_token_ids), processors=self.processors)
         try:
-            for token in tokens:
+            for choice in tokens:
                 now = time.perf_counter()
                 if first is None:
                     first = now
                     self.prompt_seconds = now - start
                 self.generation_seconds = now - first
-                self.tokens.append(int(token))
+                token = choice.token
+                self.tokens.append(token)
+                self.choices.append(choice)
                 if token in self.eos_token_ids:
                     self.finish_reason = STOP
                     break
