@@ -3,7 +3,9 @@
 MLX evaluates a model on one thread at a time, and on a small machine one generation already uses
 the cores, so requests are served in arrival order by a single worker thread instead of being
 interleaved. A `Job` carries one request's prompt and options to the worker, and the worker's
-events back to the request's event loop: ``("text", piece)`` for each piece of text, then
+events back to the request's event loop: ``("text", piece)`` for each piece of text (when the job's
+sampling asks for ``logprobs``, preceded by ``("tokens", [TokenChoice, ...])`` with the tokens
+generated since the last piece; the last ones may come just before the end), then
 ``("end", stream)`` (the finished `metalnn.llm.text_generation.TextStream`, None when the job was
 cancelled before it started) or ``("error", message)``.
 
@@ -38,8 +40,7 @@ class Job:
 
     Args:
         prompt: the prompt's token ids.
-        options: `TextStream` keywords (``max_tokens``, ``temperature``, ``top_k``, ``top_p``,
-            ``seed``, ``stop``).
+        options: `TextStream` keywords (``max_tokens``, ``sampling``, ``stop``).
         loop: the event loop of the request (events are delivered to it thread-safely).
     """
 
@@ -153,11 +154,24 @@ class GenerationWorker:
             job.stream = stream
             if job.cancelled:  # cancelled while the stream was being made
                 stream.cancel()
+            sent = 0  # token choices sent (with logprobs)
             for piece in stream:
+                if stream.sampling.logprobs:
+                    sent = _send_tokens(job, stream, sent)
                 job.send("text", piece)
+            if stream.sampling.logprobs:
+                _send_tokens(job, stream, sent)
         except Exception as e:  # reported to the client; the worker goes on with the next job
             log.exception("generation failed")
             job.send("error", f"generation failed: {type(e).__name__}: {e}")
             return "failed"
         job.send("end", stream)
         return "cancelled" if stream.finish_reason == CANCELLED else "completed"
+
+
+def _send_tokens(job: Job, stream: TextStream, sent: int) -> int:
+    """Send the text's token choices after the first ``sent``; returns how many are sent now."""
+    new = stream.text_choices[sent:]
+    if new:
+        job.send("tokens", new)
+    return sent + len(new)
