@@ -86,6 +86,10 @@ class TokenText:
             return piece.replace("\u2581", " ").encode()
         return self.tokenizer.decode([token], skip_special_tokens=False).encode()
 
+    def special(self, token: int) -> bool:
+        """Whether the token is a special token (reported, but not part of the answer's text)."""
+        return int(token) in self._special
+
     def get(self, token: int) -> tuple[bytes, str]:
         """``(bytes, text)`` of one token."""
         found = self._cache.get(token)
@@ -115,7 +119,8 @@ class CompletionLogprobs:
     """The legacy ``logprobs`` object of one text completion choice, built chunk by chunk.
 
     ``text_offset`` counts characters from the start of the prompt, as OpenAI's does (with or
-    without ``echo``): the first generated token's offset is the prompt's length.
+    without ``echo``): the first generated token's offset is the prompt's length. A special token
+    (not part of the text) takes no room.
 
     Args:
         text: the server's `TokenText`.
@@ -135,5 +140,6 @@ class CompletionLogprobs:
             out["token_logprobs"].append(_finite(c.logprob))
             out["top_logprobs"].append({self.text.get(t)[1]: _finite(lp) for t, lp in c.top_logprobs or ()})
             out["text_offset"].append(self.offset)
-            self.offset += len(self._utf8.decode(raw))  # a character split over tokens counts once, whole
+            if not self.text.special(c.token):
+                self.offset += len(self._utf8.decode(raw))  # a character split over tokens counts once, whole
         return out
