@@ -155,7 +155,8 @@ def test_chat_from_stdin_with_reset_and_exit(tiny, local):
     a1, _ = greedy(local, tok.apply_chat_template(hello), 25)
     a2, _ = greedy(local, tok.apply_chat_template(hello + [{"role": "assistant", "content": a1},
                                                            {"role": "user", "content": "More"}]), 25)
-    result = metalnn_cmd("chat", tiny, "--max-tokens", "25", "--temperature", "0", input="Hello\n/reset\nHello\nMore\n/exit\nNever asked\n")
+    result = metalnn_cmd("chat", tiny, "--max-tokens", "25", "--temperature", "0",
+                         input="Hello\n/reset\nHello\nMore\n/exit\nNever asked\n")
     assert result.returncode == 0, result.stderr
     # after /reset the same question gets the same answer; the next turn sees the history
     assert result.stdout == "> " + a1 + "\n> > " + a1 + "\n> " + a2 + "\n> "

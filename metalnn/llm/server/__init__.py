@@ -10,9 +10,13 @@ Endpoints:
 * ``GET /health``: ``{"status": "ok", ...}`` with the queue's state and request counts.
 
 Both generation endpoints take ``max_tokens`` (chat also ``max_completion_tokens``),
-``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``, ``stop`` (up to 4 strings),
+``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``,
+``n`` (up to 8 choices), ``logprobs`` (chat: with ``top_logprobs``), ``stop`` (up to 4 strings),
 ``stream`` (server-sent events ending with ``data: [DONE]``) and ``stream_options.include_usage``,
-and answer with ``usage`` counts (plus ``timings``: the server's measured speeds).
+plus the extensions ``top_k``, ``min_p`` and ``repetition_penalty`` (`metalnn.llm.sampling`); a
+null or missing sampling value takes the model's ``generation_config.json`` value, else
+`metalnn.llm.sampling.DEFAULT_TEMPERATURE` (shown as ``sampling_defaults`` in ``/v1/models``). They
+answer with ``usage`` counts (plus ``timings``: the server's measured speeds).
 
 One worker thread generates, one request at a time, in arrival order; up to ``max_queue``
 requests wait, more are answered 503. A client that disconnects cancels its generation. Bad
