@@ -18,7 +18,7 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, Te
 import metalnn as mn
 from metalnn.llm.generation import stream_choices
 from metalnn.llm.sampling import (DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Sampler, SamplingParams, TokenChoice,
-                                  sample_batch, truncate)
+                                  propose_batch, sample_batch, truncate)
 
 transformers.logging.set_verbosity_error()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -266,6 +266,8 @@ def test_shared_rows_equal_rows_alone():
     tokens = [c.token for c in sample_batch([Sampler(p) for p in mixed], mx.array(logits))]
     top = logits.argmax(-1).tolist()
     assert tokens == [top[0], 0, top[2], top[3], 1, top[5]]
+    # the lazy [B] tokens a decoder feeds back are in row order too
+    assert propose_batch([Sampler(p) for p in mixed], mx.array(logits)).tokens.tolist() == tokens
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["own-keys", "shared-unseeded"])
