@@ -16,7 +16,8 @@ from .errors import (MetalnnError, ShapeError, TrainingDivergedError, Unsupporte
 from .layers import *  # noqa: E402,F401,F403
 from .layers import __all__ as _layer_names  # noqa: E402
 from .trainer import Trainer  # noqa: E402
-from .llm.generation import generate, sample_logits, stream_generate  # noqa: E402
+from .llm.generation import generate, stream_generate  # noqa: E402
+from .llm.sampling import SamplingParams, sample_logits  # noqa: E402
 from .llm import models  # noqa: E402
 from .llm.tuner import datasets, lora  # noqa: E402
 from .quantization import QuantizationSummary, quantize  # noqa: E402
@@ -29,5 +30,6 @@ __all__ = [
     "TrainingDivergedError", "UnsupportedConfigError", "WeightLoadError", "Trainer", "functional", "init", "losses",
     "optimizers",
     "load_safetensors", "open_provider", "save_safetensors", "generate", "stream_generate", "sample_logits",
+    "SamplingParams",
     "models", "lora", "datasets", "quantize", "QuantizationSummary", *_layer_names,
 ]

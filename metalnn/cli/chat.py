@@ -91,7 +91,8 @@ def chat_loop(session, read=input, write=_stdout, status=_stderr) -> int:
 def run(args):
     from ..llm.chat import ChatSession
 
-    options = sampling(args)
+    sampling(args)  # bad options are refused before the model loads
     model, tok = load(args.model)
+    options = sampling(args, getattr(model, "generation_config", None))
     session = ChatSession(model, tok, system=args.system, **options)
     return chat_loop(session)

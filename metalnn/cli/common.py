@@ -31,27 +31,47 @@ def add_model(parser):
 
 
 def add_sampling(parser, max_tokens: int = 256):
-    """``--max-tokens``, ``--temperature``, ``--top-p``, ``--top-k``, ``--seed``."""
-    group = parser.add_argument_group("sampling")
+    """``--max-tokens`` and the sampling options (``--temperature``, ``--top-p``, ``--top-k``,
+    ``--min-p``, ``--repetition-penalty``, ``--seed``); an option left out takes the model's
+    ``generation_config.json`` value, else `metalnn.llm.sampling.DEFAULT_TEMPERATURE` (as the server)."""
+    from ..llm.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+
+    group = parser.add_argument_group("sampling (default: the model's generation_config.json, else temperature "
+                                      f"{DEFAULT_TEMPERATURE} with top-p {DEFAULT_TOP_P})")
     group.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
                        help=f"the most tokens to generate (default {max_tokens})")
-    group.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                       help="sampling temperature; 0 (default) picks the most likely token")
+    group.add_argument("--temperature", type=float, default=None, metavar="T",
+                       help="sampling temperature; 0 picks the most likely token")
     group.add_argument("--top-p", type=float, default=None, metavar="P",
                        help="sample among the most likely tokens whose probabilities add up to P")
     group.add_argument("--top-k", type=positive_int, default=None, metavar="K",
                        help="sample among the K most likely tokens")
+    group.add_argument("--min-p", type=float, default=None, metavar="P",
+                       help="leave out tokens less than P times as likely as the most likely one")
+    group.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                       help="divide the logits of tokens already seen by R (> 1 discourages repeats)")
     group.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampling (reproducible)")
 
 
-def sampling(args) -> dict:
-    """`TextStream` keywords from the `add_sampling` options."""
-    if args.temperature < 0:
-        raise CommandError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise CommandError(f"--top-p must be in (0, 1], got {args.top_p}")
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed}
+#: `add_sampling` options -> `SamplingParams` fields
+_SAMPLING_OPTIONS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+                     "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
+
+
+def sampling(args, generation_config: dict | None = None) -> dict:
+    """`TextStream` keywords from the `add_sampling` options: ``max_tokens`` and ``sampling`` (the
+    `SamplingParams` of ``generation_config``, the model's, with the options given on top)."""
+    from ..llm.sampling import SamplingParams
+
+    options = {field: getattr(args, field) for field in _SAMPLING_OPTIONS}
+    try:
+        params = SamplingParams.from_generation_config(generation_config, **options)
+    except ValueError as e:
+        message = str(e)
+        for field, flag in _SAMPLING_OPTIONS.items():
+            message = message.replace(f"SamplingParams.{field}:", f"{flag}:")
+        raise CommandError(message) from None
+    return {"max_tokens": args.max_tokens, "sampling": params}
 
 
 def fit_context(model, prompt_tokens: int, max_tokens: int, note=None) -> int:

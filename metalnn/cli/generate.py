@@ -38,9 +38,10 @@ def run(args, out=None, err=None):
     from ..llm.text_generation import TextStream
 
     out, err = out or sys.stdout, err or sys.stderr
-    options = sampling(args)
+    sampling(args)  # bad options are refused before the model loads
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tok = load(args.model)
+    options = sampling(args, getattr(model, "generation_config", None))
     ids = prompt_ids(tok, text, args.chat, args.system)
     if not ids:
         raise CommandError("the prompt encodes to no tokens; give a non-empty --prompt")

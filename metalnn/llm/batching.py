@@ -41,11 +41,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..layers.batch_cache import BatchKVCache, keep_rows, merge_rows
+from .text_pieces import CANCELLED, LENGTH, STOP  # a sequence's finish_reason
 
 __all__ = ["BatchGenerator", "Sequence", "Event", "greedy", "PromptLookup", "DraftModel"]
-
-#: ``finish_reason`` of a sequence: an end-of-sequence id; its token limit; `BatchGenerator.cancel`
-STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 
 
 @dataclass

@@ -44,8 +44,8 @@ class ChatSession:
         model: a `metalnn.llm.models.CausalLM`.
         tokenizer: its `metalnn.llm.tokenizer.Tokenizer`, with a chat template.
         system: an optional system message that starts the conversation (and survives `reset`).
-        options: `TextStream` keywords for every answer (``max_tokens`` default 512,
-            ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``).
+        options: `TextStream` keywords for every answer (``max_tokens`` default 512, ``sampling``
+            or ``temperature``, ``top_k``, ``top_p``, ``seed``; ``stop``).
     Raises:
         ValueError: the tokenizer has no chat template.
     """

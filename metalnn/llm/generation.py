@@ -1,46 +1,17 @@
-"""Autoregressive generation with a KV cache: `generate`, `stream_generate`, `sample_logits`.
+"""Autoregressive generation with a KV cache: `generate`, `stream_generate`, `stream_choices`.
 
 The prompt is run once (prefill) and fills each attention layer's `KVCache` (only the last
 prompt position goes through the output projection); every later step feeds only the newest token, so a step costs one token's projections plus one pass over the cache.
 The graph of step ``n + 1`` is built while step ``n`` runs, and step ``n + 1`` is queued
-(``mx.async_eval``) before the caller handles token ``n``.
-
-Logits processors (``processors=``, e.g. `metalnn.llm.constrained.GrammarConstraint`) are
-per-sequence objects with ``__call__(logits [V]) -> [V]`` (applied before sampling) and
-``accept(token)`` (told each token the sequence produced). A processed step needs the previous
-token first, so it is not queued ahead; the model's forward pass still runs while the processors
-compute their masks.
+(``mx.async_eval``) before the caller handles token ``n``. Tokens are chosen by
+`metalnn.llm.sampling` (one `Sampler` per row of the batch).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-
-def sample_logits(logits, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                  key=None):
-    """Pick the next token from ``logits`` ``[B, vocab]`` -> ``[B]`` int32.
-
-    ``temperature == 0`` is greedy (arg-max). Otherwise the logits are divided by ``temperature``,
-    restricted to the ``top_k`` largest and to the smallest set whose probability reaches ``top_p``
-    (nucleus), then sampled with ``key`` (or MLX's global random state).
-    """
-    if temperature is None or temperature <= 0:
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
-    x = logits.astype(mx.float32) / float(temperature)
-    vocab = x.shape[-1]
-    if top_k is not None and 0 < top_k < vocab:
-        kth = mx.sort(x, axis=-1)[..., vocab - top_k][..., None]
-        x = mx.where(x < kth, -mx.inf, x)
-    if top_p is not None and 0.0 < top_p < 1.0:
-        order = mx.argsort(-x, axis=-1)
-        sorted_x = mx.take_along_axis(x, order, axis=-1)
-        probs = mx.softmax(sorted_x, axis=-1)
-        before = mx.cumsum(probs, axis=-1) - probs
-        drop_sorted = before >= top_p  # the most likely token always stays (before = 0)
-        drop = mx.put_along_axis(mx.zeros(x.shape, dtype=mx.bool_), order, drop_sorted, axis=-1)
-        x = mx.where(drop, -mx.inf, x)
-    return mx.random.categorical(x, axis=-1, key=key).astype(mx.int32)
+from .sampling import Sampler, SamplingParams, propose_batch
 
 
 def _prompt(tokens):
@@ -68,45 +39,58 @@ def _eos_set(eos_token_id, model=None):
     return {int(e) for e in eos_token_id}
 
 
-def _processor_rows(processors, rows: int):
-    """``processors`` as one list per batch row (None: none at all)."""
-    if not processors:
-        return None
-    if rows == 1 and not isinstance(processors[0], (list, tuple)) and processors[0] is not None:
-        processors = [processors]
+def sampling_params(sampling: SamplingParams | None, temperature=None, top_k=None, top_p=None,
+                    seed=None) -> SamplingParams:
+    """``sampling``, or the `SamplingParams` of the older keywords (``temperature`` None or 0: greedy;
+    ``top_k`` 0 or ``top_p`` >= 1: no limit). Giving both is an error."""
+    if sampling is not None:
+        given = [n for n, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed))
+                 if v is not None]
+        if given:
+            raise ValueError(f"give either sampling=SamplingParams(...) or {', '.join(given)}, not both")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        return sampling
+    return SamplingParams(temperature=float(temperature or 0.0), top_k=top_k if top_k else None,
+                          top_p=top_p if top_p is not None and top_p < 1 else None, seed=seed)
+
+
+def _per_row(processors, rows: int) -> list:
+    """``processors`` as one tuple per row: a flat sequence is a 1-D prompt's; for ``[B, T]``
+    prompts one sequence (or None) per row."""
+    processors = tuple(processors or ())
+    nested = bool(processors) and all(p is None or isinstance(p, (list, tuple)) for p in processors)
+    if not nested:
+        if processors and rows != 1:
+            raise ValueError(f"generate: processors are per sequence; give one list per row of the {rows} rows")
+        return [processors] + [()] * (rows - 1)
     if len(processors) != rows:
         raise ValueError(f"generate: processors must give one list per batch row ({rows}), got {len(processors)}")
-    return [list(p or ()) for p in processors]
+    return [tuple(p or ()) for p in processors]
 
 
-def _process(rows, logits):
-    """Apply each row's processors to its logits ``[B, V]`` -> ``[B, V]``."""
-    out = []
-    for i, procs in enumerate(rows):
-        x = logits[i]
-        for p in procs:
-            x = p(x)
-        out.append(x)
-    return mx.stack(out)
+def _samplers(prompt, params: SamplingParams, processors) -> list[Sampler]:
+    """One `Sampler` per row of ``prompt`` ``[B, T]``; with a seed, row ``i`` draws with ``seed + i``
+    (row 0 as a 1-D prompt with that seed would). ``processors``: see `_per_row`."""
+    import dataclasses
+
+    rows = prompt.shape[0]
+    per_row = _per_row(processors, rows)
+    seeds = [params.seed] if rows == 1 else [None if params.seed is None else (params.seed + i) % 2**64
+                                             for i in range(rows)]
+    return [Sampler(dataclasses.replace(params, seed=s) if s != params.seed else params,
+                    prompt[i].tolist() if params.repetition_penalty != 1 else (), per_row[i])
+            for i, s in enumerate(seeds)]
 
 
-def _accept(rows, y):
-    """Tell each row's processors the token it produced (``y`` ``[B]``; evaluates it)."""
-    for procs, token in zip(rows, y.tolist()):
-        for p in procs:
-            p.accept(token)
-
-
-def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, max_context=None,
-           processors=None):
-    """Yield the next-token arrays ``[B]`` (lazy; the following step is queued before each yield;
-    with ``processors``, see `_processor_rows`, each token is evaluated and accepted first)."""
+def _steps(model, prompt, max_new_tokens, samplers, device, max_context=None):
+    """Yield each step's `metalnn.llm.sampling.BatchProposal` (evaluated; the following step is
+    queued before each yield). The samplers have accepted the step's tokens when it is yielded."""
     cache = model.make_cache()
-    key = mx.random.key(seed) if seed is not None else None
     history = prompt if max_context else None
 
     def step(inp):
-        nonlocal key, cache, history
+        nonlocal cache, history
         if max_context:
             if history is not inp:
                 history = mx.concatenate([history, inp], axis=1)[:, -max_context:]
@@ -120,13 +104,7 @@ def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, devic
             model(inp[:, :-1], cache=cache, device=device)
             inp = inp[:, -1:]
         logits = model(inp, cache=cache, device=device)[:, -1, :]
-        if processors:
-            mx.async_eval(logits)  # the forward pass runs while the processors compute their masks
-            logits = _process(processors, logits)
-        sub = None
-        if key is not None and temperature and temperature > 0:
-            key, sub = mx.random.split(key)
-        return sample_logits(logits, temperature, top_k, top_p, sub)
+        return propose_batch(samplers, logits)
 
     if max_new_tokens <= 0:
         return
@@ -134,49 +112,63 @@ def _steps(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, devic
         prompt = prompt[:, -max_context:]
         history = prompt
     y = step(prompt)
-    mx.async_eval(y)
+    mx.async_eval(y.arrays())
     for n in range(max_new_tokens):
+        # lazily: the penalties' counts of step n + 1 include token n without waiting for it
+        # (a sampler with processors evaluates it here: they need the int)
+        for i, sampler in enumerate(samplers):
+            if not sampler.plain:  # a plain sampler keeps no record of its tokens
+                sampler.accept(y.tokens[i])
         nxt = None
-        if processors:
-            _accept(processors, y)
         if n + 1 < max_new_tokens:
-            nxt = step(y[:, None])  # the graph is built while step n runs
+            nxt = step(y.tokens[:, None])  # the graph is built while step n runs
             # Step n finishes before step n + 1 is queued: the caches' in-place writes of step n + 1
             # can then take over the cache buffers (MLX decides when queuing), instead of copying
             # every layer's whole cache each token while step n still holds them.
-            mx.eval(y)
-            mx.async_eval(nxt)
+            mx.eval(y.arrays())
+            mx.async_eval(nxt.arrays())
         yield y
         y = nxt
 
 
-def stream_generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                    top_p: float | None = None, seed: int | None = None, eos_token_id=None, device=None,
-                    max_context: int | None = None, processors=None):
-    """Yield new tokens one at a time (an ``int`` per step for a 1-D prompt, a list per step for a
-    ``[B, T]`` prompt). Stops after ``max_new_tokens`` or when every sequence has produced an
-    ``eos_token_id`` (an int or a collection; the EOS token is yielded). Arguments as `generate`,
-    and ``processors``: logits processors (``__call__(logits [V]) -> [V]`` before sampling,
-    ``accept(token)`` after), a list applied in order for a 1-D prompt, one list per row (or None)
-    for a ``[B, T]`` prompt."""
+def stream_choices(model, tokens, max_new_tokens: int, sampling: SamplingParams | None = None, eos_token_id=None,
+                   device=None, max_context: int | None = None, processors=()):
+    """As `stream_generate`, yielding each new token's `metalnn.llm.sampling.TokenChoice` (with its
+    log-probabilities when ``sampling.logprobs``) instead of the id: one per step for a 1-D prompt,
+    a list per step for a ``[B, T]`` prompt (finished rows repeat an EOS choice).
+
+    ``processors``: `metalnn.llm.sampling.LogitsProcessor` s of a 1-D prompt's sequence, or one list
+    (or None) per row of a ``[B, T]`` prompt (each step then waits for the token before the next is
+    queued, as they need it).
+    """
     prompt, batched = _prompt(tokens)
+    samplers = _samplers(prompt, sampling_params(sampling), processors)
     eos = _eos_set(eos_token_id, model)
-    done = [False] * prompt.shape[0]
-    rows = _processor_rows(processors, prompt.shape[0])
-    for y in _steps(model, prompt, int(max_new_tokens), temperature, top_k, top_p, seed, device, max_context,
-                    rows):
-        ids = y.tolist()
+    done: list = [None] * prompt.shape[0]  # each row's EOS choice once it has finished
+    for y in _steps(model, prompt, int(max_new_tokens), samplers, device, max_context):
+        row = y.choices()
         if eos:
-            ids = [next(iter(eos)) if d else t for t, d in zip(ids, done)]
-            done = [d or t in eos for t, d in zip(ids, done)]
-        yield ids if batched else ids[0]
-        if eos and all(done):
+            row = [d if d is not None else c for c, d in zip(row, done)]
+            done = [d if d is not None else (c if c.token in eos else None) for c, d in zip(row, done)]
+        yield row if batched else row[0]
+        if eos and all(d is not None for d in done):
             return
 
 
-def generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+def stream_generate(model, tokens, max_new_tokens: int, temperature: float | None = None, top_k: int | None = None,
+                    top_p: float | None = None, seed: int | None = None, eos_token_id=None, device=None,
+                    max_context: int | None = None, *, sampling: SamplingParams | None = None, processors=()):
+    """Yield new tokens one at a time (an ``int`` per step for a 1-D prompt, a list per step for a
+    ``[B, T]`` prompt). Stops after ``max_new_tokens`` or when every sequence has produced an
+    ``eos_token_id`` (an int or a collection; the EOS token is yielded). Arguments as `generate`."""
+    params = sampling_params(sampling, temperature, top_k, top_p, seed)
+    for step in stream_choices(model, tokens, max_new_tokens, params, eos_token_id, device, max_context, processors):
+        yield [c.token for c in step] if isinstance(step, list) else step.token
+
+
+def generate(model, tokens, max_new_tokens: int, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, eos_token_id=None, device=None,
-             max_context: int | None = None, processors=None):
+             max_context: int | None = None, *, sampling: SamplingParams | None = None, processors=()):
     """Generate up to ``max_new_tokens`` tokens after ``tokens``.
 
     Args:
@@ -184,10 +176,11 @@ def generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k
             ``make_cache()``).
         tokens: the prompt, ``[T]`` (list or array) or ``[B, T]`` (equal-length prompts).
         max_new_tokens: number of tokens to generate.
-        temperature: 0 for greedy decoding, else the sampling temperature.
+        temperature: 0 (or None, the default) for greedy decoding, else the sampling temperature.
         top_k: sample only among the ``k`` most likely tokens.
         top_p: nucleus sampling: only among the most likely tokens whose probabilities add up to ``p``.
-        seed: seed of the sampling key (reproducible samples); default: MLX's global random state.
+        seed: seed of the sampling key (reproducible samples; row ``i`` of a batch uses
+            ``seed + i``); default: MLX's global random state.
         eos_token_id: stop once this token (or any of these tokens) has been generated (it is
             included). Finished rows of a batch repeat it while others continue. Default None:
             the model's ``eos_token_ids`` (set by `load_pretrained` from the checkpoint's
@@ -197,13 +190,18 @@ def generate(model, tokens, max_new_tokens: int, temperature: float = 0.0, top_k
             Default None: no limit (the cache grows with the sequence). When set, the prompt is cut
             to its last ``max_context`` tokens, and whenever the cache is full it is rebuilt from
             the last ``max_context // 2`` tokens (one re-prefill per ``max_context // 2`` steps).
-        processors: logits processors, see `stream_generate`.
+        sampling: a `metalnn.llm.sampling.SamplingParams` (penalties, bias, min-p, ...) instead of
+            ``temperature``, ``top_k``, ``top_p`` and ``seed``.
+        processors: `metalnn.llm.sampling.LogitsProcessor` s of a 1-D prompt's sequence (e.g. a
+            `metalnn.llm.constrained.GrammarConstraint`), applied before sampling each step.
     Returns:
         the new tokens: a ``list[int]`` for a 1-D prompt, an ``mx.array`` ``[B, N]`` for a batch.
     """
     prompt, batched = _prompt(tokens)
-    out = list(stream_generate(model, prompt if batched else prompt[0], max_new_tokens, temperature, top_k, top_p,
-                               seed, eos_token_id, device, max_context, processors))
+    params = sampling_params(sampling, temperature, top_k, top_p, seed)
+    out = list(stream_generate(model, prompt if batched else prompt[0], max_new_tokens, eos_token_id=eos_token_id,
+                               device=device, max_context=max_context, sampling=params,
+                               processors=processors or ()))
     if batched:
         if not out:
             return mx.zeros((prompt.shape[0], 0), dtype=mx.int32)

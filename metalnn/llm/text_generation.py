@@ -12,7 +12,9 @@ prompt's ids into text pieces as they are generated:
   tokens, when a logits processor is ``done`` (a grammar is complete, ``finish_reason`` "stop"),
   or when `TextStream.cancel` (thread-safe) or `TextStream.close` is called;
 * afterwards it tells how many tokens were read and generated, why it ended (``finish_reason``)
-  and how fast the prompt and the generation ran.
+  and how fast the prompt and the generation ran;
+* ``choices`` holds each generated token's `metalnn.llm.sampling.TokenChoice` as it comes (with
+  its log-probabilities when the `SamplingParams` ask for them).
 
 >>> stream = TextStream(model, tokenizer, tokenizer.encode("Once upon a time"), max_tokens=50)
 >>> for piece in stream:
@@ -25,29 +27,9 @@ from __future__ import annotations
 import threading
 import time
 
-from .generation import stream_generate
-
-#: ``finish_reason`` values: an end-of-sequence token or a stop string; ``max_tokens`` reached;
-#: `TextStream.cancel` / `TextStream.close` (or an exception) ended it early
-STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
-
-
-def _stop_at(text: str, stops) -> int | None:
-    """Index where the earliest stop string in ``text`` begins (None if none occurs)."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops) -> int:
-    """Length of the longest end of ``text`` that is the beginning of a stop string (such text
-    must wait for the next piece before it can be shown)."""
-    longest = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
+from .generation import sampling_params, stream_choices
+from .sampling import SamplingParams, TokenChoice
+from .text_pieces import CANCELLED, LENGTH, STOP, TextPieces
 
 
 class TextStream:
@@ -58,25 +40,26 @@ class TextStream:
         tokenizer: a `metalnn.llm.tokenizer.Tokenizer` (its ``tokenizers`` object decodes).
         prompt: the prompt's token ids (``list[int]``, at least one).
         max_tokens: the most tokens to generate (at least 1).
-        temperature, top_k, top_p, seed: sampling, as `metalnn.generate` (temperature 0: greedy).
+        sampling: a `metalnn.llm.sampling.SamplingParams` (default: greedy decoding).
+        temperature, top_k, top_p, seed: instead of ``sampling``, as `metalnn.generate`.
+        processors: `metalnn.llm.sampling.LogitsProcessor` s of this sequence (e.g. a grammar).
         stop: a string or strings that end the text (the stop string itself is not part of it).
         eos_token_ids: ids that end generation (not part of the text). Default: the model's and
             the tokenizer's EOS sets.
         on_finish: called once with the stream when it ends, whatever the reason.
-        processors: logits processors of this sequence, applied in order before sampling (see
-            `metalnn.stream_generate`; e.g. a `metalnn.llm.constrained.GrammarConstraint`). The
-            stream stops ("stop") once one of them is ``done``.
 
     After (or during) iteration: ``text`` (everything yielded), ``tokens`` (generated ids,
-    including an end-of-sequence token), ``prompt_tokens``, ``completion_tokens``,
+    including an end-of-sequence token), ``choices`` (their `TokenChoice` s, in step with
+    ``tokens``), ``text_choices`` (those of the tokens that are part of the text: all but an
+    end-of-sequence token), ``prompt_tokens``, ``completion_tokens``,
     ``finish_reason`` (`STOP`, `LENGTH`, `CANCELLED`; None while running), ``prompt_seconds``
     (time to the first new token), ``generation_seconds`` (from the first to the last new token),
     ``prompt_tps`` and ``generation_tps`` (tokens per second).
     """
 
-    def __init__(self, model, tokenizer, prompt, max_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop=None,
-                 eos_token_ids=None, on_finish=None, processors=None):
+    def __init__(self, model, tokenizer, prompt, max_tokens: int, *, sampling: SamplingParams | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop=None, eos_token_ids=None, on_finish=None, processors=()):
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("TextStream: the prompt is empty (at least one token is needed)")
@@ -92,11 +75,12 @@ class TextStream:
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self.model, self.tokenizer, self.prompt = model, tokenizer, prompt
         self.max_tokens = int(max_tokens)
-        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        self.sampling = sampling_params(sampling, temperature, top_k, top_p, seed)
+        self.processors = tuple(processors or ())
         self.on_finish = on_finish
-        self.processors = list(processors or ())
         self.text = ""
         self.tokens: list[int] = []
+        self.choices: list[TokenChoice] = []
         self.finish_reason: str | None = None
         self.prompt_seconds = 0.0
         self.generation_seconds = 0.0
@@ -110,6 +94,13 @@ class TextStream:
     @property
     def completion_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def text_choices(self) -> list[TokenChoice]:
+        """The `TokenChoice` s of the tokens that make the text (an end-of-sequence token left out)."""
+        if self.finish_reason == STOP and self.tokens and self.tokens[-1] in self.eos_token_ids:
+            return self.choices[:-1]
+        return self.choices
 
     @property
     def prompt_tps(self) -> float:
@@ -141,48 +132,40 @@ class TextStream:
         return next(self._pieces)
 
     def _run(self):
-        from tokenizers.decoders import DecodeStream
-
-        decoder = DecodeStream(skip_special_tokens=True)
-        pending = ""  # decoded text not shown yet: it may be the beginning of a stop string
+        pieces = TextPieces(self.tokenizer, self.stop)  # (the EOS ids end the loop below)
         start = time.perf_counter()
         first = None
-        tokens = stream_generate(self.model, self.prompt, self.max_tokens, eos_token_id=tuple(self.eos_token_ids),
-                                 processors=self.processors or None, **self.sampling)
+        tokens = stream_choices(self.model, self.prompt, self.max_tokens, self.sampling,
+                                eos_token_id=tuple(self.eos_token_ids), processors=self.processors)
         try:
-            for token in tokens:
+            for choice in tokens:
                 now = time.perf_counter()
                 if first is None:
                     first = now
                     self.prompt_seconds = now - start
                 self.generation_seconds = now - first
-                self.tokens.append(int(token))
+                token = choice.token
+                self.tokens.append(token)
+                self.choices.append(choice)
                 if token in self.eos_token_ids:
                     self.finish_reason = STOP
                     break
-                piece = decoder.step(self.tokenizer.tokenizer, int(token))
-                pending += piece or ""
-                cut = _stop_at(pending, self.stop) if self.stop else None
-                if cut is not None:
-                    pending = pending[:cut]
-                    self.finish_reason = STOP
-                    break
-                keep = _held_back(pending, self.stop) if self.stop else 0
-                ready, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+                ready = pieces.feed(token)
                 if ready:
                     self.text += ready
                     yield ready
-                if any(getattr(p, "done", False) for p in self.processors):
-                    self.finish_reason = STOP
+                if pieces.stopped or any(getattr(p, "done", False) for p in self.processors):
+                    self.finish_reason = STOP  # a stop string, or a complete grammar
                     break
                 if self._cancel.is_set():
                     self.finish_reason = CANCELLED
                     return
             else:
                 self.finish_reason = LENGTH
-            if pending:  # no more text can complete a stop string
-                self.text += pending
-                yield pending
+            rest = pieces.flush()  # no more text can complete a stop string
+            if rest:
+                self.text += rest
+                yield rest
         finally:
             tokens.close()
             if self.finish_reason is None:  # closed, cancelled or interrupted while running

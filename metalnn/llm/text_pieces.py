@@ -12,7 +12,11 @@ Used per request by `metalnn.llm.text_generation.TextStream` and by the server's
 
 from __future__ import annotations
 
-__all__ = ["TextPieces"]
+__all__ = ["TextPieces", "STOP", "LENGTH", "CANCELLED"]
+
+#: ``finish_reason`` values: an end-of-sequence token, a stop string or a complete grammar; the
+#: token limit; cancelled (or an exception) before the end
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 
 
 def _stop_at(text: str, stops) -> int | None:

@@ -101,13 +101,14 @@ def test_info(tiny):
 def test_generate_streams_the_library_text_and_reports_speeds(tiny, local):
     _, tok = local
     want, ref = greedy(local, tok.encode("Once upon"), 30)
-    result = metalnn_cmd("generate", tiny, "--prompt", "Once upon", "--max-tokens", "30")
+    result = metalnn_cmd("generate", tiny, "--prompt", "Once upon", "--max-tokens", "30", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert result.stdout == want + "\n"
     assert re.search(rf"prompt: {ref.prompt_tokens} tokens, [\d.]+ tokens/s", result.stderr), result.stderr
     assert re.search(r"generation: 30 tokens, [\d.]+ tokens/s \(--max-tokens reached\)", result.stderr)
     # the prompt from stdin gives the same
-    from_stdin = metalnn_cmd("generate", tiny, "--prompt", "-", "--max-tokens", "30", input="Once upon")
+    from_stdin = metalnn_cmd("generate", tiny, "--prompt", "-", "--max-tokens", "30", "--temperature", "0",
+                             input="Once upon")
     assert from_stdin.stdout == result.stdout
 
 
@@ -115,11 +116,12 @@ def test_generate_chat_system_and_stop(tiny, local):
     _, tok = local
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     full, _ = greedy(local, tok.apply_chat_template(messages), 40)
-    result = metalnn_cmd("generate", tiny, "--chat", "--system", "Be brief.", "--prompt", "Hi", "--max-tokens", "40")
+    result = metalnn_cmd("generate", tiny, "--chat", "--system", "Be brief.", "--prompt", "Hi", "--max-tokens", "40",
+                         "--temperature", "0")
     assert result.stdout == full + "\n"
     stop = full[8:11]
     result = metalnn_cmd("generate", tiny, "--chat", "--system", "Be brief.", "--prompt", "Hi", "--max-tokens", "40",
-                         "--stop", stop)
+                         "--temperature", "0", "--stop", stop)
     assert result.stdout == full[:full.find(stop)] + "\n" and "(end of text)" in result.stderr
     sampled = metalnn_cmd("generate", tiny, "--prompt", "Hi", "--temperature", "1", "--seed", "3", "--top-k", "10",
                           "--top-p", "0.9", "--max-tokens", "30")
@@ -129,13 +131,32 @@ def test_generate_chat_system_and_stop(tiny, local):
     assert sampled.stdout == "".join(s) + "\n" != want + "\n"
 
 
+def test_generate_samples_like_the_server_by_default(tiny, local, tmp_path):
+    """No sampling options: the model's generation_config.json, else the shared default (the same
+    SamplingParams the server builds)."""
+    from metalnn.llm.sampling import SamplingParams
+
+    model, tok = local
+    result = metalnn_cmd("generate", tiny, "--prompt", "Hi", "--seed", "5", "--max-tokens", "30")
+    want = TextStream(model, tok, tok.encode("Hi"), 30, sampling=SamplingParams.from_generation_config(None, seed=5))
+    assert result.stdout == "".join(want) + "\n"
+    assert result.stdout != greedy(local, tok.encode("Hi"), 30)[0] + "\n"
+    import shutil
+
+    folder = shutil.copytree(tiny, tmp_path / "greedy-config")
+    (folder / "generation_config.json").write_text('{"do_sample": false}')
+    result = metalnn_cmd("generate", folder, "--prompt", "Hi", "--seed", "5", "--max-tokens", "30")
+    assert result.stdout == greedy(local, tok.encode("Hi"), 30)[0] + "\n"
+
+
 def test_chat_from_stdin_with_reset_and_exit(tiny, local):
     _, tok = local
     hello = [{"role": "user", "content": "Hello"}]
     a1, _ = greedy(local, tok.apply_chat_template(hello), 25)
     a2, _ = greedy(local, tok.apply_chat_template(hello + [{"role": "assistant", "content": a1},
                                                            {"role": "user", "content": "More"}]), 25)
-    result = metalnn_cmd("chat", tiny, "--max-tokens", "25", input="Hello\n/reset\nHello\nMore\n/exit\nNever asked\n")
+    result = metalnn_cmd("chat", tiny, "--max-tokens", "25", "--temperature", "0",
+                         input="Hello\n/reset\nHello\nMore\n/exit\nNever asked\n")
     assert result.returncode == 0, result.stderr
     # after /reset the same question gets the same answer; the next turn sees the history
     assert result.stdout == "> " + a1 + "\n> > " + a1 + "\n> " + a2 + "\n> "
@@ -146,7 +167,9 @@ def test_chat_from_stdin_with_reset_and_exit(tiny, local):
 
 def test_chat_ctrl_c_stops_the_answer_not_the_program(tiny):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, "-m", "metalnn", "chat", str(tiny), "--max-tokens", "3000"],
+    # greedy: this model's greedy answer runs to the token limit (sampled ones may end early)
+    p = subprocess.Popen([sys.executable, "-m", "metalnn", "chat", str(tiny), "--max-tokens", "3000", "--temperature",
+                          "0"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out, err = [], []
     readers = [threading.Thread(target=lambda f, acc: acc.extend(iter(lambda: f.read(1), "")), args=a, daemon=True)

@@ -62,14 +62,14 @@ def test_generate_lowers_max_tokens_to_the_room_left(tiny, local):
     ids = tok.encode(prompt)
     assert len(ids) == 43
     want, ref = greedy(local, ids, CONTEXT - 43)
-    result = metalnn_cmd("generate", tiny, "--prompt", prompt, "--max-tokens", "100")
+    result = metalnn_cmd("generate", tiny, "--prompt", prompt, "--max-tokens", "100", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert result.stdout == want + "\n"
     assert "[--max-tokens 100 lowered to 21: the prompt has 43 tokens and the model's context length is 64]" in \
         result.stderr
     assert re.search(rf"generation: {ref.completion_tokens} tokens", result.stderr), result.stderr
     # within the room: no note
-    fits = metalnn_cmd("generate", tiny, "--prompt", prompt, "--max-tokens", "21")
+    fits = metalnn_cmd("generate", tiny, "--prompt", prompt, "--max-tokens", "21", "--temperature", "0")
     assert fits.stdout == result.stdout and "lowered" not in fits.stderr
 
 
@@ -84,7 +84,7 @@ def test_chat_drops_the_oldest_turns_and_refuses_a_message_too_long(tiny, local)
     a2, _ = greedy(local, tok.apply_chat_template([system, again]), 10)
     long = "x" * 20  # 58 tokens with the system message and the template: room for 6
     a3, _ = greedy(local, tok.apply_chat_template([system, {"role": "user", "content": long}]), 6)
-    result = metalnn_cmd("chat", tiny, "--system", "Be brief.", "--max-tokens", "10",
+    result = metalnn_cmd("chat", tiny, "--system", "Be brief.", "--max-tokens", "10", "--temperature", "0",
                          input=f"Hello\nAgain\n{'y' * 60}\n{long}\n/exit\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "> " + a1 + "\n> " + a2 + "\n> > " + a3 + "\n> "

@@ -83,7 +83,10 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
     Returns:
         the model, in evaluation mode (``model.train()`` before fine-tuning with dropout). When
         the checkpoint has a tokenizer, ``model.eos_token_ids`` holds its EOS set, which
-        `metalnn.generate` stops at by default.
+        `metalnn.generate` stops at by default. ``model.generation_config`` is the checkpoint's
+        recommended generation settings as a dict (a folder's ``generation_config.json``, a GGUF
+        file's ``general.sampling.*`` keys as their ``generation_config.json`` names), or None
+        (`metalnn.llm.sampling.SamplingParams.from_generation_config` reads it).
     Raises:
         UnsupportedConfigError: unknown architecture, unsupported feature or quantization.
         WeightLoadError: missing, unexpected or mis-shaped tensors, or unreadable files.
@@ -123,6 +126,7 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
         raise WeightLoadError(e.missing, e.unexpected, e.mismatched, source=str(source),
                               message=f"{cls.architecture}: " + e.message + hint) from None
     model.eos_token_ids = _checkpoint_eos(path, checkpoint.header if checkpoint is not None else None)
+    model.generation_config = _generation_config(path, checkpoint.header if checkpoint is not None else None)
     # The buffers freed while loading (a transformed tensor's file version, a cast's source) would stay
     # in MLX's cache, resident, for as long as nothing of their size is allocated: they go back now.
     provider = checkpoint = None
@@ -175,3 +179,28 @@ def _checkpoint_eos(path, gguf_header) -> frozenset:
         return load_tokenizer(path).eos_token_ids
     except (FileNotFoundError, ValueError):
         return frozenset()
+
+
+#: GGUF's sampling metadata (llama.cpp's ``general.sampling.*``) -> generation_config.json names
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                      "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def _generation_config(path, gguf_header) -> dict | None:
+    """The checkpoint's generation settings (None when it has none; an unreadable
+    ``generation_config.json`` is refused, as an unreadable ``config.json`` is)."""
+    if gguf_header is not None:
+        found = {name: gguf_header.metadata[key] for key, name in GGUF_SAMPLING_KEYS.items()
+                 if key in gguf_header.metadata}
+        return found or None
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise UnsupportedConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UnsupportedConfigError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config

@@ -17,9 +17,13 @@ the request sends ``Authorization: Bearer KEY``; the chat page then asks for the
 model other than the one served gets 404 ``model_not_found``.
 
 Both generation endpoints take ``max_tokens`` (chat also ``max_completion_tokens``),
-``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``, ``stop`` (up to 4 strings),
+``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``,
+``n`` (up to 8 choices), ``logprobs`` (chat: with ``top_logprobs``), ``stop`` (up to 4 strings),
 ``stream`` (server-sent events ending with ``data: [DONE]``) and ``stream_options.include_usage``,
-and answer with ``usage`` counts (plus ``timings``: the server's measured speeds). Chat also takes
+plus the extensions ``top_k``, ``min_p`` and ``repetition_penalty`` (`metalnn.llm.sampling`); a
+null or missing sampling value takes the model's ``generation_config.json`` value, else
+`metalnn.llm.sampling.DEFAULT_TEMPERATURE` (shown as ``sampling_defaults`` in ``/v1/models``). They
+answer with ``usage`` counts (plus ``timings``: the server's measured speeds). Chat also takes
 ``tools`` and ``tool_choice`` (calls come back as ``tool_calls``) and ``response_format`` (JSON,
 or JSON following a schema); both take ``grammar`` (an extension: a Lark grammar in llguidance's
 syntax the output must follow). See `metalnn.llm.server.tools`.

@@ -3,11 +3,12 @@
 Routes: ``GET /`` (the chat page), ``GET /health``, ``GET /metrics``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /v1/embeddings``. Generation requests are validated and tokenized here, then handed to the
-`GenerationWorker`; answers stream back as server-sent events (``data: {...}`` chunks, then
-``data: [DONE]``) or come whole. A request naming a ``model`` other than the served one gets 404
-``model_not_found`` (leaving ``model`` out is fine). With ``settings.api_key`` every path but ``/``
-and ``/health`` needs ``Authorization: Bearer KEY`` (`metalnn.llm.server.auth`). Tool calls and constrained
-output (a request's grammar) are in `metalnn.llm.server.tools`.
+`GenerationWorker` (one job per choice when ``n`` > 1); answers stream back as server-sent events
+(``data: {...}`` chunks, then ``data: [DONE]``) or come whole, with OpenAI's ``logprobs`` objects
+when asked for (`metalnn.llm.server.logprobs`). A request naming a ``model`` other than the served
+one gets 404 ``model_not_found`` (leaving ``model`` out is fine). With ``settings.api_key`` every
+path but ``/`` and ``/health`` needs ``Authorization: Bearer KEY`` (`metalnn.llm.server.auth`).
+Tool calls and constrained output (a request's grammar) are in `metalnn.llm.server.tools`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ... import __version__
 from ..chat_template import ChatTemplateError
 from ..batching import DraftModel, PromptLookup
 from ..prefix_cache import PrefixCache
+from ..sampling import SamplingParams
 from ..text_generation import CANCELLED
 from ..tool_prompt import output_format, render_conversation
 from . import errors, tools
@@ -32,6 +34,7 @@ from .auth import APIKeyAuth
 from .embeddings import EmbeddingRequest, Embeddings
 from .errors import SERVER_ERROR, APIError, error_body
 from .limits import BodyLimit
+from .logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from .metrics import RequestMetrics, ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .worker import GenerationWorker, Job, QueueFull, ShuttingDown
@@ -75,21 +78,28 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _usage(stream) -> dict:
-    usage = {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-             "total_tokens": stream.prompt_tokens + stream.completion_tokens}
-    cached = getattr(stream, "cached_tokens", 0)
+def _usage(streams) -> dict:
+    """Token counts of a request's choices (the prompt counts once)."""
+    prompt, completion = streams[0].prompt_tokens, sum(s.completion_tokens for s in streams)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = max(getattr(s, "cached_tokens", 0) for s in streams)
     if cached:  # OpenAI's field for prompt tokens served from its prompt cache
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
 
 
-def _timings(stream) -> dict:
-    """Speeds measured by the server (an extension of the OpenAI response)."""
-    return {"prompt_tokens_per_second": round(stream.prompt_tps, 2),
-            "generation_tokens_per_second": round(stream.generation_tps, 2),
-            "prompt_seconds": round(stream.prompt_seconds, 4),
-            "generation_seconds": round(stream.generation_seconds, 4)}
+def _timings(streams) -> dict:
+    """Speeds measured by the server (an extension of the OpenAI response); for several choices, the
+    tokens of all over the time of all."""
+    prompt_seconds = sum(s.prompt_seconds for s in streams)
+    generation_seconds = sum(s.generation_seconds for s in streams)
+    generated = sum(max(s.completion_tokens - 1, 0) for s in streams)
+    prompt_tps = sum(s.prompt_tokens for s in streams) / prompt_seconds if prompt_seconds > 0 else 0.0
+    return {"prompt_tokens_per_second": round(prompt_tps, 2),
+            "generation_tokens_per_second": round(generated / generation_seconds if generation_seconds > 0 else 0.0,
+                                                  2),
+            "prompt_seconds": round(prompt_seconds, 4),
+            "generation_seconds": round(generation_seconds, 4)}
 
 
 class Generations:
@@ -98,6 +108,11 @@ class Generations:
     def __init__(self, model, tokenizer, worker: GenerationWorker, name: str, settings):
         self.model, self.tokenizer, self.worker, self.name, self.settings = model, tokenizer, worker, name, settings
         self.context = model.context_length
+        self.vocab_size = model.vocab_size
+        #: the checkpoint's generation_config.json (None: the shared defaults of metalnn.llm.sampling)
+        self.generation_config = getattr(model, "generation_config", None)
+        self.defaults = SamplingParams.from_generation_config(self.generation_config)
+        self.token_text = TokenText(tokenizer)
 
     def token_limit(self, prompt_tokens: int, requested: int | None) -> int:
         """New tokens allowed: what was asked (or the server's default), within the context length."""
@@ -130,15 +145,44 @@ class Generations:
             raise APIError(400, "The prompt encodes to no tokens.", param="prompt", code="invalid_value")
         return ids
 
-    def submit(self, body, prompt: list[int], constraint=None) -> Job:
-        options = {"max_tokens": self.token_limit(len(prompt), body.token_limit), "temperature": body.temperature,
-                   "top_p": body.top_p if body.top_p < 1 else None, "top_k": body.top_k or None, "seed": body.seed,
-                   "stop": body.stop}
-        if constraint is not None:
-            options["processors"] = [constraint]
-        job = Job(prompt, options, asyncio.get_running_loop())
-        enqueue(self.worker, job)
-        return job
+    def sampling(self, body, index: int = 0) -> SamplingParams:
+        """The `SamplingParams` of choice ``index`` of a request: the model's generation config, then
+        the request's values (with a seed, choice ``i`` draws with ``seed + i``, so the ``n``
+        choices differ and each is reproducible)."""
+        overrides = body.sampling_overrides()
+        if overrides.get("seed") is not None:
+            overrides["seed"] += index
+        bias = overrides.get("logit_bias") or {}
+        outside = sorted(t for t in bias if t >= self.vocab_size)
+        if outside:
+            raise APIError(400, f"Invalid value for 'logit_bias': token ids must be below the vocabulary size "
+                           f"{self.vocab_size} (got {outside}).", param="logit_bias", code="invalid_value")
+        try:
+            return SamplingParams.from_generation_config(self.generation_config, **overrides)
+        except ValueError as e:  # e.g. a top_logprobs the schema allows but sampling does not
+            field = str(e).partition(":")[0].removeprefix("SamplingParams.").partition("[")[0]
+            raise APIError(400, f"Invalid value: {e}", param=field or None, code="invalid_value") from None
+
+    def submit(self, body, prompt: list[int], constraints=None) -> list[Job]:
+        """One worker job per choice (``n``; ``constraints``: each choice's grammar or None); all or
+        none are queued."""
+        limit = self.token_limit(len(prompt), body.token_limit)
+        options = [{"max_tokens": limit, "sampling": self.sampling(body, i), "stop": body.stop}
+                   for i in range(body.choices)]
+        for option, constraint in zip(options, constraints or ()):
+            if constraint is not None:
+                option["processors"] = [constraint]
+        loop = asyncio.get_running_loop()
+        jobs = []
+        try:
+            for option in options:
+                job = Job(prompt, option, loop)
+                enqueue(self.worker, job)
+                jobs.append(job)
+        except APIError:
+            _cancel(jobs)
+            raise
+        return jobs
 
     # -- responses -----------------------------------------------------------------------------
     def check_model(self, body):
@@ -146,69 +190,118 @@ class Generations:
             raise model_not_found(body.model, self.name)
 
     async def respond(self, request: Request, body, prompt: list[int], chat: bool):
-        constraint = await asyncio.to_thread(tools.constraint, self.tokenizer, body)
-        job = self.submit(body, prompt, constraint)
-        calls = tools.ToolCallDeltas(output_format(self.tokenizer)) if chat and tools.parses_tool_calls(body) else None
-        shape = _ChatShape(self.name, calls) if chat else _CompletionShape(self.name)
+        # a grammar holds per-sequence state: one per choice
+        constraints = [await asyncio.to_thread(tools.constraint, self.tokenizer, body) for _ in range(body.choices)]
+        jobs = self.submit(body, prompt, constraints)
+        calls = None
+        if chat and tools.parses_tool_calls(body):
+            calls = [tools.ToolCallDeltas(output_format(self.tokenizer)) for _ in jobs]
+        shape = (_ChatShape(self.name, self.token_text, calls) if chat else
+                 _CompletionShape(self.name, self.token_text, len(body.prompt), len(jobs)))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(request, job, shape, include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._stream(request, jobs, shape, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._whole(request, job, shape)
+        return await self._whole(request, jobs, shape)
 
-    async def _stream(self, request: Request, job: Job, shape, include_usage: bool):
+    async def _stream(self, request: Request, jobs: list[Job], shape, include_usage: bool):
         # The response also stops when sending fails; the watcher notices a client that leaves while
-        # its job still waits in the queue (nothing is sent then).
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        # its jobs still wait in the queue (nothing is sent then).
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs))
+        tokens = [[] for _ in jobs]  # each choice's token choices not sent yet (with logprobs)
+        ended = [None] * len(jobs)
         try:
-            first = shape.opening()
-            if first is not None:
-                yield _sse(first)
-            while True:
-                kind, value = await job.events.get()
+            for index in range(len(jobs)):
+                first = shape.opening(index)
+                if first is not None:
+                    yield _sse(first)
+            async for index, kind, value in _events(jobs):
+                if kind == "tokens":
+                    tokens[index] += value
+                    continue
                 if kind == "text":
-                    for chunk in shape.piece(value):
+                    for chunk in shape.piece(index, value, _take(tokens[index])):
                         yield _sse(chunk)
                     continue
                 if kind == "error":
                     yield _sse(error_body(value, SERVER_ERROR))
-                elif value is None or value.finish_reason == CANCELLED:
-                    if job.cancel_reason == "shutdown":
+                    break
+                if value is None or value.finish_reason == CANCELLED:
+                    if any(job.cancel_reason == "shutdown" for job in jobs):
                         yield _sse(error_body("The server is shutting down; the answer was cut short.", SERVER_ERROR,
                                               code="shutting_down"))
-                else:
-                    for chunk in shape.closing(value.finish_reason):
-                        yield _sse(chunk)
-                    if include_usage:
-                        yield _sse(shape.usage(value))
-                break
+                    break
+                ended[index] = value
+                for chunk in shape.closing(index, value.finish_reason, _take(tokens[index])):
+                    yield _sse(chunk)
+            else:
+                if include_usage:
+                    yield _sse(shape.usage(ended))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
-            job.cancel()  # nothing left to stop if it ended; stops the generation if the client left
+            _cancel(jobs)  # nothing left to stop if they ended; stops the generation if the client left
 
-    async def _whole(self, request: Request, job: Job, shape):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+    async def _whole(self, request: Request, jobs: list[Job], shape):
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs))
+        ended = [None] * len(jobs)
         try:
-            while True:
-                kind, value = await job.events.get()
-                if kind == "text":
+            async for index, kind, value in _events(jobs):
+                if kind in ("text", "tokens"):
                     continue
                 if kind == "error":
                     raise APIError(500, value, type=SERVER_ERROR)
                 if value is None or value.finish_reason == CANCELLED:
-                    raise APIError(503, "The server is shutting down." if job.cancel_reason == "shutdown" else
+                    shutdown = any(job.cancel_reason == "shutdown" for job in jobs)
+                    raise APIError(503, "The server is shutting down." if shutdown else
                                    "The request was cancelled.", type=SERVER_ERROR, code="cancelled")
-                return shape.whole(value)
+                ended[index] = value
+            return shape.whole(ended)
         finally:
             watcher.cancel()
-            job.cancel()
+            _cancel(jobs)
 
 
-async def _cancel_on_disconnect(request: Request, job: Job):
-    while not job.cancelled:
+def _cancel(jobs):
+    for job in jobs:
+        job.cancel()
+
+
+def _take(items: list) -> list:
+    """The items, emptying the list."""
+    out = items[:]
+    items.clear()
+    return out
+
+
+async def _events(jobs: list[Job]):
+    """``(index, kind, value)`` of every job's events as they come, until each has ended."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(index, job):
+        while True:
+            kind, value = await job.events.get()
+            merged.put_nowait((index, kind, value))
+            if kind in ("end", "error"):
+                return
+
+    tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+    try:
+        running = len(jobs)
+        while running:
+            index, kind, value = await merged.get()
+            running -= kind in ("end", "error")
+            yield index, kind, value
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, jobs: list[Job]):
+    while not all(job.cancelled for job in jobs):
         if await request.is_disconnected():
-            job.cancel("client")
+            for job in jobs:
+                job.cancel("client")
             return
         await asyncio.sleep(DISCONNECT_POLL)
 
@@ -218,66 +311,79 @@ class _ChatShape:
     chunks); with ``tool_calls`` (a `metalnn.llm.server.tools.ToolCallDeltas`) the text is searched
     for tool calls."""
 
-    def __init__(self, name, tool_calls=None):
+    def __init__(self, name, token_text: TokenText, tool_calls=None):
         self.base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name,
                      "system_fingerprint": f"metalnn-{__version__}"}
-        self.tool_calls = tool_calls
+        self.token_text = token_text
+        self.tool_calls = tool_calls  # one `ToolCallDeltas` per choice, or None
 
-    def _chunk(self, delta, finish_reason=None):
+    def _chunk(self, index, delta, finish_reason=None, choices=None):
+        logprobs = chat_logprobs(choices, self.token_text) if choices else None
         return {**self.base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    def opening(self):
-        return self._chunk({"role": "assistant", "content": ""})
+    def opening(self, index):
+        return self._chunk(index, {"role": "assistant", "content": ""})
 
-    def piece(self, text):
+    def piece(self, index, text, choices=None):
         if self.tool_calls is None:
-            return [self._chunk({"content": text})]
-        return [self._chunk(delta) for delta in self.tool_calls.piece(text)]
+            return [self._chunk(index, {"content": text}, choices=choices)]
+        deltas = self.tool_calls[index].piece(text)
+        if not deltas:
+            return [self._chunk(index, {}, choices=choices)] if choices else []
+        return [self._chunk(index, d, choices=choices if i == 0 else None) for i, d in enumerate(deltas)]
 
-    def closing(self, finish_reason):
+    def closing(self, index, finish_reason, choices=None):
         deltas = []
         if self.tool_calls is not None:
-            deltas, finish_reason = self.tool_calls.finish(finish_reason)
-        return [self._chunk(delta) for delta in deltas] + [self._chunk({}, finish_reason)]
+            deltas, finish_reason = self.tool_calls[index].finish(finish_reason)
+        return [self._chunk(index, d) for d in deltas] + [self._chunk(index, {}, finish_reason, choices)]
 
-    def usage(self, stream):
-        return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(stream),
-                "timings": _timings(stream)}
+    def usage(self, streams):
+        return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(streams),
+                "timings": _timings(streams)}
 
-    def whole(self, stream):
-        message, finish_reason = {"role": "assistant", "content": stream.text}, stream.finish_reason
-        if self.tool_calls is not None:
-            message, finish_reason = self.tool_calls.whole(stream.text, finish_reason)
-        return {**self.base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-                "usage": _usage(stream), "timings": _timings(stream)}
+    def whole(self, streams):
+        out = []
+        for i, s in enumerate(streams):
+            message, finish_reason = {"role": "assistant", "content": s.text}, s.finish_reason
+            if self.tool_calls is not None:
+                message, finish_reason = self.tool_calls[i].whole(s.text, finish_reason)
+            out.append({"index": i, "message": message, "finish_reason": finish_reason,
+                        "logprobs": chat_logprobs(s.text_choices, self.token_text) if s.sampling.logprobs else None})
+        return {**self.base, "object": "chat.completion", "choices": out, "usage": _usage(streams),
+                "timings": _timings(streams)}
 
 
 class _CompletionShape:
     """``text_completion`` objects (whole and as stream chunks)."""
 
-    def __init__(self, name):
+    def __init__(self, name, token_text: TokenText, prompt_chars: int, n: int):
         self.base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
                      "model": name, "system_fingerprint": f"metalnn-{__version__}"}
+        self.token_text, self.prompt_chars = token_text, prompt_chars
+        self.logprobs = [CompletionLogprobs(token_text, prompt_chars) for _ in range(n)]
 
-    def _choice(self, text, finish_reason=None):
-        return {**self.base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    def _choice(self, index, text, finish_reason=None, choices=None):
+        logprobs = self.logprobs[index].chunk(choices) if choices else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def opening(self):
+    def opening(self, index):
         return None
 
-    def piece(self, text):
-        return [self._choice(text)]
+    def piece(self, index, text, choices=None):
+        return [{**self.base, "choices": [self._choice(index, text, choices=choices)]}]
 
-    def closing(self, finish_reason):
-        return [self._choice("", finish_reason)]
+    def closing(self, index, finish_reason, choices=None):
+        return [{**self.base, "choices": [self._choice(index, "", finish_reason, choices)]}]
 
-    def usage(self, stream):
-        return {**self.base, "choices": [], "usage": _usage(stream), "timings": _timings(stream)}
+    def usage(self, streams):
+        return {**self.base, "choices": [], "usage": _usage(streams), "timings": _timings(streams)}
 
-    def whole(self, stream):
-        return {**self._choice(stream.text, stream.finish_reason), "usage": _usage(stream), "timings": _timings(stream)}
+    def whole(self, streams):
+        choices = [self._choice(i, s.text, s.finish_reason, s.text_choices if s.sampling.logprobs else None)
+                   for i, s in enumerate(streams)]
+        return {**self.base, "choices": choices, "usage": _usage(streams), "timings": _timings(streams)}
 
 
 def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastAPI:
@@ -320,7 +426,7 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
         app.add_middleware(APIKeyAuth, key=api_key)
     app.add_middleware(RequestMetrics, metrics=metrics, routes=app.router.routes)
     card = {"id": name, "object": "model", "created": started, "owned_by": "metalnn",
-            "context_length": generations.context}
+            "context_length": generations.context, "sampling_defaults": generations.defaults.describe()}
 
     @app.get("/", include_in_schema=False)
     async def index():

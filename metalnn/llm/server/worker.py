@@ -29,18 +29,16 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from ..batching import STOP, BatchGenerator
-from ..generation import sample_logits
-from ..text_pieces import TextPieces
+from ..sampling import Sampler, TokenChoice, sample_batch
+from ..text_pieces import CANCELLED, TextPieces
 
 log = logging.getLogger("metalnn.llm.server")
-
-CANCELLED = "cancelled"
 
 
 class QueueFull(Exception):
@@ -57,12 +55,16 @@ class Completion:
 
     ``prompt_seconds``: from joining the worker's generator to the first new token;
     ``generation_seconds``: from the first to the last new token; ``cached_tokens``: prompt tokens
-    taken from the prefix cache.
+    taken from the prefix cache; ``choices``: each token's `TokenChoice`; ``text_choices``: those of
+    the text's tokens (all but an end-of-sequence token).
     """
 
     prompt_tokens: int
+    sampling: object = None
     text: str = ""
     tokens: list = field(default_factory=list)
+    choices: list = field(default_factory=list)
+    _ended_by_eos: bool = False
     finish_reason: str | None = None
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
@@ -71,6 +73,11 @@ class Completion:
     @property
     def completion_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def text_choices(self) -> list:
+        eos = bool(self.choices) and self.finish_reason == "stop" and self._ended_by_eos
+        return self.choices[:-1] if eos else list(self.choices)
 
     @property
     def prompt_tps(self) -> float:
@@ -101,7 +108,9 @@ class Job:
         # worker-side state
         self._pieces: TextPieces | None = None
         self._seq = None
-        self._key = None
+        self._sampler: Sampler | None = None
+        self._choices: deque = deque()  # sampled rows' `TokenChoice` s not yet matched to their events
+        self._unsent: list = []         # `TokenChoice` s of text not yet sent (with logprobs)
         self._started = self._first = 0.0
 
     @property
@@ -123,14 +132,25 @@ class Job:
 
 
 def plain_greedy(sequence) -> bool:
-    """Whether a row's tokens are plain arg-maxes (its drafts can then be checked in one pass)."""
-    o = sequence.state.options
-    return not o.get("temperature") and not o.get("processors")
+    """Whether a row's tokens are plain arg-maxes with nothing to report per token (its drafts can
+    then be checked in one pass)."""
+    sampler = sequence.state._sampler
+    return sampler.params.greedy and sampler.plain and not sampler.params.logprobs
 
 
 def grammar_done(sequence) -> bool:
     """Whether a row's constraint is complete (its answer ends there)."""
-    return any(getattr(p, "done", False) for p in sequence.state.options.get("processors") or ())
+    return any(getattr(p, "done", False) for p in sequence.state._sampler.processors)
+
+
+def sample_rows(sequences, logits) -> list:
+    """Each row's token by its job's `metalnn.llm.sampling.Sampler` (one evaluation for the batch;
+    a seeded request draws with its own key, so it gets the same tokens whatever else is in the
+    batch). The `TokenChoice` s wait on the job for its ``logprobs``."""
+    choices = sample_batch([s.state._sampler for s in sequences], logits)
+    for seq, choice in zip(sequences, choices):
+        seq.state._choices.append(choice)
+    return [c.token for c in choices]
 
 
 class Call(Job):
@@ -141,42 +161,6 @@ class Call(Job):
     def __init__(self, fn, loop: asyncio.AbstractEventLoop, prompt_tokens: int = 0):
         super().__init__([], {}, loop)
         self.fn, self.prompt_tokens = fn, int(prompt_tokens)
-
-
-def sample_rows(sequences, logits) -> list:
-    """Each row's token: greedy rows by one arg-max, sampled rows with their job's options and
-    their own key (split per step from the request's ``seed``, as `metalnn.generate` does, so a
-    seeded request gets the same tokens whatever else is in the batch)."""
-    jobs = [s.state for s in sequences]
-    picked = [None] * len(jobs)
-    processors = [j.options.get("processors") or () for j in jobs]
-    if any(processors):  # constrained rows: their masks on their own logits rows
-        rows = [logits[i] for i in range(len(jobs))]
-        for i, procs in enumerate(processors):
-            for p in procs:
-                rows[i] = p(rows[i])
-        logits = mx.stack(rows)
-    greedy = [i for i, j in enumerate(jobs) if not j.options.get("temperature")]
-    lazy = []
-    if greedy:
-        rows = logits if len(greedy) == len(jobs) else logits[mx.array(greedy)]
-        lazy.append((greedy, mx.argmax(rows, axis=-1)))
-    for i, job in enumerate(jobs):
-        if i in greedy:
-            continue
-        sub = None
-        if job._key is not None:
-            job._key, sub = mx.random.split(job._key)
-        o = job.options
-        lazy.append(([i], sample_logits(logits[i:i + 1], o["temperature"], o.get("top_k"), o.get("top_p"), sub)))
-    mx.eval([a for _, a in lazy])
-    for rows, arr in lazy:
-        for r, t in zip(rows, arr.tolist()):
-            picked[r] = int(t)
-    for procs, token in zip(processors, picked):
-        for p in procs:
-            p.accept(token)
-    return picked
 
 
 class GenerationWorker:
@@ -327,9 +311,9 @@ class GenerationWorker:
                 continue
             o = job.options
             job._pieces = TextPieces(self.tokenizer, o.get("stop") or (), self.eos)
-            job._key = mx.random.key(o["seed"]) if o.get("seed") is not None else None
+            job._sampler = Sampler(o["sampling"], job.prompt, o.get("processors") or ())
             job._started = time.perf_counter()
-            job.result = Completion(prompt_tokens=len(job.prompt))
+            job.result = Completion(prompt_tokens=len(job.prompt), sampling=o["sampling"])
             seq = self._generator.add(job.prompt, o["max_tokens"], eos=self.eos, state=job)
             self._jobs[seq.uid] = job
             job._seq = seq
@@ -360,11 +344,20 @@ class GenerationWorker:
             with self._lock:
                 self._waiting -= 1
         r.tokens.append(event.token)
+        # the sampler's choice of this token (a draft kept by speculative decoding has none: such
+        # rows report no logprobs)
+        choice = job._choices.popleft() if job._choices and job._choices[0].token == event.token else None
+        r.choices.append(choice or TokenChoice(event.token))
         if self.metrics is not None:
             self.metrics.tokens(generated=1)
         r.generation_seconds = now - job._first
+        if event.token in self.eos:
+            r._ended_by_eos = True
+        else:
+            job._unsent.append(r.choices[-1])
         piece = job._pieces.feed(event.token)
         if piece:
+            self._send_tokens(job)
             job.send("text", piece)
         reason = event.finish_reason
         if job._pieces.stopped and reason is None:  # a stop string
@@ -375,11 +368,21 @@ class GenerationWorker:
         if not job._pieces.stopped:  # the limit or a completed grammar: the held-back text is final
             rest = job._pieces.flush()
             if rest:
+                self._send_tokens(job)
                 job.send("text", rest)
+        self._send_tokens(job)
         r.text, r.finish_reason = job._pieces.text, reason
         del self._jobs[event.uid]
         job.send("end", r)
         self._finish(job, "completed")
+
+    @staticmethod
+    def _send_tokens(job: Job):
+        """``("tokens", [TokenChoice, ...])``: the text's tokens since the last, when the request asks for
+        their log-probabilities."""
+        if job._unsent and job._sampler.params.logprobs:
+            job.send("tokens", job._unsent)
+        job._unsent = []
 
     def _finish(self, job: Job, outcome: str, waiting: bool = False):
         with self._lock:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 import metalnn as mn
+from metalnn.llm.sampling import DEFAULT_TEMPERATURE
 from metalnn.llm.text_generation import TextStream
 
 from app_models import save_tiny_model
@@ -68,6 +69,8 @@ def test_chat_page_streams_answers_keeps_history_and_stops(tiny, tmp_path):
         driver.get(server.url + "/")
         wait_for(driver, lambda d: d.find_element("id", "model-name").text == "tiny", what="the model name")
         assert driver.title == "tiny · metalnn chat"
+        # the slider shows the server's default sampling (the model has no generation_config.json)
+        assert driver.find_element("id", "temperature-value").text == f"{DEFAULT_TEMPERATURE:.2f}"
         # controls: temperature 0 (Home key on the slider), at most 40 tokens
         driver.find_element("id", "temperature").send_keys(Keys.HOME)
         assert driver.find_element("id", "temperature-value").text == "0.00"
@@ -120,3 +123,26 @@ def test_chat_page_streams_answers_keeps_history_and_stops(tiny, tmp_path):
         assert text_of(driver, ".message") == []
         time.sleep(0.1)
         assert driver.find_element("id", "empty").is_displayed()
+
+
+def test_untouched_temperature_leaves_sampling_to_the_model(tiny, tmp_path):
+    """A model whose generation_config.json asks for greedy decoding: the page shows 0 and, without
+    the slider being moved, sends no temperature, so its answer is the greedy one."""
+    import shutil
+
+    from selenium.webdriver.common.keys import Keys
+
+    folder = shutil.copytree(tiny, tmp_path / "greedy")
+    (folder / "generation_config.json").write_text('{"do_sample": false}')
+    model, tok = mn.models.load_pretrained(folder), mn.models.load_tokenizer(folder)
+    with running_server(folder, tmp_path / "logs") as server, chromium(tmp_path / "profile") as driver:
+        driver.get(server.url + "/")
+        wait_for(driver, lambda d: d.find_element("id", "model-name").text == "greedy", what="the model name")
+        assert driver.find_element("id", "temperature-value").text == "0.00"
+        box = driver.find_element("id", "max-tokens")
+        box.clear()
+        box.send_keys("30")
+        driver.find_element("id", "message").send_keys("Hello page", Keys.ENTER)
+        wait_for(driver, answered(1), what="the answer")
+        want = greedy(model, tok, [{"role": "user", "content": "Hello page"}], 30)
+        assert text_of(driver, ".message.assistant .content") == [want]

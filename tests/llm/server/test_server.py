@@ -195,7 +195,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["a","b","c","d","e"]}',
      "stop"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stop": [""]}', "stop"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": 3}', "n=1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": 9}', "n"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "model": 7}', "model"),
     ("/v1/completions", b'{"max_tokens": 5}', "prompt"),
     ("/v1/completions", b'{"prompt": ["a", "b"]}', "one prompt"),
