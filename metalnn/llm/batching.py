@@ -18,7 +18,8 @@ from the caches between steps (`keep_rows`).
 With a drafter (`PromptLookup`, `DraftModel`), greedy sequences are decoded speculatively: the
 drafter proposes up to ``max_draft`` next tokens for a row, one ``[B, 1 + k]`` pass checks them all,
 and a row keeps its drafts up to the first one the model would not have picked, plus the model's
-own next token; the rejected positions are taken back out of the caches
+own next token (a step drafts only when at least half the rows have drafts: the wider pass costs
+every row); the rejected positions are taken back out of the caches
 (`metalnn.layers.batch_cache.BatchKVCache.rewind`). The tokens are exactly those of plain greedy
 decoding; rows that sample (or whose sampler keeps per-token state, see ``can_draft``) take one
 token per step as before, in the same pass. Models with recurrent layers (their states cannot be
@@ -225,7 +226,11 @@ class BatchGenerator:
         limits = [min(self.max_draft, seq.max_tokens - len(seq.tokens) - 1) if self.can_draft(seq) else 0
                   for seq in self._running]
         proposed = self.drafter.propose(self._running, limits)
-        return [[int(t) for t in d[:k]] if k > 0 else [] for d, k in zip(proposed, limits)]
+        drafts = [[int(t) for t in d[:k]] if k > 0 else [] for d, k in zip(proposed, limits)]
+        # a wider pass costs every row: worth it only when at least half the rows have drafts
+        if 2 * sum(1 for d in drafts if d) < len(drafts):
+            return [[] for _ in drafts]
+        return drafts
 
     def _decode(self) -> list:
         drafts = self._drafts()
@@ -286,7 +291,9 @@ class PromptLookup:
     tokens (``n`` from ``max_ngram`` down to ``min_ngram``) occurred before in the prompt or the
     answer, propose the tokens that followed them. Free to compute; pays off when answers repeat
     their input (quoting, editing, extracting, code), costs a wider step when drafts miss: a
-    sequence whose recent drafts were mostly rejected drafts nothing for ``cooldown`` steps.
+    sequence drafts 2 tokens at first, twice as many after each step that kept them all; one
+    whose recent drafts were mostly rejected drafts nothing for ``cooldown`` steps, twice
+    as long after each further poor run (up to 64 times), back to ``cooldown`` once drafts are kept.
 
     Args:
         max_ngram, min_ngram: lengths of the matched ending.
@@ -301,6 +308,8 @@ class PromptLookup:
         self.min_rate, self.cooldown = float(min_rate), int(cooldown)
         self._rate: dict = {}   # uid -> running acceptance rate
         self._pause: dict = {}  # uid -> steps left without drafts
+        self._next: dict = {}   # uid -> the next cooldown's length
+        self._length: dict = {}  # uid -> draft length: 2 at first, doubled while all are kept
 
     def propose(self, sequences, limits) -> list:
         import numpy as np
@@ -312,7 +321,7 @@ class PromptLookup:
                 out.append([])
                 continue
             ctx = np.asarray(seq.prompt + seq.tokens, dtype=np.int64)
-            out.append(self._lookup(ctx, k))
+            out.append(self._lookup(ctx, min(k, self._length.get(seq.uid, 2))))
         return out
 
     def _lookup(self, ctx, k) -> list:
@@ -333,10 +342,16 @@ class PromptLookup:
     def accepted(self, seq, drafted: int, kept: int):
         if not drafted:
             return
+        length = self._length.get(seq.uid, 2)
+        self._length[seq.uid] = min(2 * length, 64) if kept == drafted else max(2, kept + 1)
         rate = 0.5 * self._rate.get(seq.uid, 1.0) + 0.5 * kept / drafted
         self._rate[seq.uid] = rate
         if rate < self.min_rate:
-            self._pause[seq.uid], self._rate[seq.uid] = self.cooldown, 1.0
+            length = self._next.get(seq.uid, self.cooldown)
+            self._pause[seq.uid], self._rate[seq.uid] = length, 1.0
+            self._next[seq.uid] = min(2 * length, 64 * self.cooldown)
+        elif kept * 2 >= drafted:
+            self._next[seq.uid] = self.cooldown
 
 
 class DraftModel:
