@@ -29,10 +29,10 @@ import time
 
 from .generation import sampling_params, stream_choices
 from .sampling import SamplingParams, TokenChoice
-from .text_pieces import CANCELLED, LENGTH, STOP, TextPieces
+from .text_pieces import CANCELLED, LENGTH, STOP, Speeds, TextPieces
 
 
-class TextStream:
+class TextStream(Speeds):
     """Generate text after ``prompt`` piece by piece (an iterator of ``str``).
 
     Args:
@@ -101,17 +101,6 @@ class TextStream:
         if self.finish_reason == STOP and self.tokens and self.tokens[-1] in self.eos_token_ids:
             return self.choices[:-1]
         return self.choices
-
-    @property
-    def prompt_tps(self) -> float:
-        """Prompt tokens per second (prompt tokens / time to the first new token)."""
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        """New tokens per second after the first one (0 with fewer than two new tokens)."""
-        n = len(self.tokens) - 1
-        return n / self.generation_seconds if n > 0 and self.generation_seconds > 0 else 0.0
 
     def cancel(self):
         """Ask the stream to end before its next token (safe to call from any thread)."""

@@ -12,11 +12,28 @@ Used per request by `metalnn.llm.text_generation.TextStream` and by the server's
 
 from __future__ import annotations
 
-__all__ = ["TextPieces", "STOP", "LENGTH", "CANCELLED"]
+__all__ = ["TextPieces", "Speeds", "STOP", "LENGTH", "CANCELLED"]
 
 #: ``finish_reason`` values: an end-of-sequence token, a stop string or a complete grammar; the
 #: token limit; cancelled (or an exception) before the end
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+
+
+class Speeds:
+    """``prompt_tps`` and ``generation_tps`` of a finished or running generation that has
+    ``prompt_tokens``, ``tokens``, ``prompt_seconds`` (to the first new token) and
+    ``generation_seconds`` (from the first to the last new token)."""
+
+    @property
+    def prompt_tps(self) -> float:
+        """Prompt tokens per second (prompt tokens / time to the first new token)."""
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        """New tokens per second after the first one (0 with fewer than two new tokens)."""
+        n = len(self.tokens) - 1
+        return n / self.generation_seconds if n > 0 and self.generation_seconds > 0 else 0.0
 
 
 def _stop_at(text: str, stops) -> int | None:

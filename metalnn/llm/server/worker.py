@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from ..batching import STOP, BatchGenerator
 from ..sampling import Sampler, TokenChoice, sample_batch
-from ..text_pieces import CANCELLED, TextPieces
+from ..text_pieces import CANCELLED, Speeds, TextPieces
 
 log = logging.getLogger("metalnn.llm.server")
 
@@ -50,7 +50,7 @@ class ShuttingDown(Exception):
 
 
 @dataclass
-class Completion:
+class Completion(Speeds):
     """What a finished request produced (the fields `metalnn.llm.text_generation.TextStream` has).
 
     ``prompt_seconds``: from joining the worker's generator to the first new token;
@@ -79,14 +79,6 @@ class Completion:
         eos = bool(self.choices) and self.finish_reason == "stop" and self._ended_by_eos
         return self.choices[:-1] if eos else list(self.choices)
 
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        n = len(self.tokens) - 1
-        return n / self.generation_seconds if n > 0 and self.generation_seconds > 0 else 0.0
 
 
 class Job:
