@@ -25,6 +25,11 @@ decoding; rows that sample (or whose sampler keeps per-token state, see ``can_dr
 token per step as before, in the same pass. Models with recurrent layers (their states cannot be
 taken back) decode without drafts.
 
+While nothing joins, leaves or drafts, steps are pipelined (given ``sample_lazy``): the graph of
+step ``n + 1`` is built from step ``n``'s lazy tokens and queued (``mx.async_eval``) before step
+``n``'s tokens are read, so building a step overlaps the evaluation of the one before. A row that
+finishes at step ``n`` still runs in step ``n + 1``, whose result for it is dropped.
+
 Sampling is per sequence: ``sample(sequences, logits [B, vocab]) -> list[int]`` picks each row's
 token (default: greedy arg-max); `Sequence.state` carries whatever the sampler keeps per sequence.
 A prefix cache (`metalnn.llm.prefix_cache.PrefixCache`) lets a prompt start from the caches of the
@@ -47,7 +52,7 @@ from .text_pieces import CANCELLED, LENGTH, STOP  # a sequence's finish_reason
 __all__ = ["BatchGenerator", "Sequence", "Event", "greedy", "PromptLookup", "DraftModel"]
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity: rows are found by the object)
 class Sequence:
     """One sequence's prompt, limits and progress.
 
@@ -90,6 +95,21 @@ def greedy(sequences, logits) -> list:
     return mx.argmax(logits, axis=-1).tolist()
 
 
+def greedy_lazy(sequences, logits):
+    """`greedy` without evaluating: ``(tokens [B] lazy, read)``, ``read()`` giving the ints."""
+    tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+    return tokens, tokens.tolist
+
+
+@dataclass
+class _Pending:
+    """A decoding step queued but not read: its rows, lazy tokens and their reader."""
+
+    rows: list
+    tokens: object
+    read: object
+
+
 class BatchGenerator:
     """Decode many sequences together (see the module docstring).
 
@@ -106,11 +126,17 @@ class BatchGenerator:
             checked against them. Default: True when ``sample`` is `greedy`.
         finished: ``finished(sequence) -> bool``, asked after each new token: True ends the
             sequence with ``"stop"`` (e.g. its grammar is complete). Default: never.
+        sample_lazy: ``sample_lazy(sequences, logits) -> (tokens [B] lazy int32, read)`` with
+            ``read() -> list[int]`` after evaluation: ``sample`` without evaluating, for pipelined
+            steps (default: `greedy_lazy` with the default ``sample``; None: no pipelining).
+        can_pipeline: ``can_pipeline(sequence) -> bool``: whether a row's sampling works lazily
+            (default: always).
         device: the `metalnn.Device` to run on.
     """
 
     def __init__(self, model, *, sample=None, prefill_chunk: int = 256, max_batch: int = 16, prefix_cache=None,
-                 drafter=None, max_draft: int = 4, can_draft=None, finished=None, device=None):
+                 drafter=None, max_draft: int = 4, can_draft=None, finished=None, sample_lazy=None,
+                 can_pipeline=None, device=None):
         if int(prefill_chunk) < 1 or int(max_batch) < 1:
             raise ValueError(f"BatchGenerator: prefill_chunk and max_batch must be at least 1, got {prefill_chunk} "
                              f"and {max_batch}")
@@ -122,6 +148,10 @@ class BatchGenerator:
             can_draft = (lambda seq: True) if self.sample is greedy else (lambda seq: False)
         self.can_draft = can_draft
         self.finished = finished
+        self.sample_lazy = sample_lazy if sample_lazy is not None else (greedy_lazy if self.sample is greedy else None)
+        self.can_pipeline = can_pipeline or (lambda seq: True)
+        self._pending: _Pending | None = None
+        self._carry: list = []  # events read outside `step` (by `cancel`), returned by the next step
         self.steps = 0  # batched decoding passes run
         self._ids = itertools.count()
         self._waiting: deque = deque()   # sequences whose prompt has not finished
@@ -152,7 +182,9 @@ class BatchGenerator:
         for row, seq in enumerate(self._running):
             if seq.uid == uid:
                 seq.finish_reason = CANCELLED
-                self._leave([row])
+                self._carry += self._flush()  # (the others' tokens; its own are dropped: it has ended)
+                if seq in self._running:
+                    self._leave([self._running.index(seq)])
                 return True
         return False
 
@@ -165,17 +197,66 @@ class BatchGenerator:
         return len(self._running)
 
     def __bool__(self):
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._carry)
 
     # -- stepping ------------------------------------------------------------------------------
     def step(self) -> list:
         """One prefill chunk (if a prompt waits and a row is free) and one decoding step of the
         batch; returns the new tokens as `Event` s."""
-        events = []
+        events, self._carry = self._carry, []
         if self._waiting and len(self._running) < self.max_batch:
+            events += self._flush()  # the batch changes: read the queued step first
             events += self._prefill_chunk(self._waiting[0])
+        if not self._running:
+            return events + self._flush()
+        if self._pipelines():
+            return events + self._decode_pipelined()
+        events += self._flush()
         if self._running:
             events += self._decode()
+        return events
+
+    def _pipelines(self) -> bool:
+        """Whether the next step may be queued before the last one is read: nothing waits to join,
+        no drafts, every row samples lazily."""
+        if self.sample_lazy is None or self._waiting or not self._running:
+            return False
+        if self.drafter is not None and self.max_draft and any(self.can_draft(s) for s in self._running):
+            return False
+        return all(self.can_pipeline(s) for s in self._running)
+
+    def _queue_step(self, inputs) -> _Pending:
+        logits = self.model(inputs, cache=self._caches, device=self.device)[:, -1, :]
+        self.steps += 1
+        tokens, read = self.sample_lazy(self._running, logits)
+        mx.async_eval(tokens)
+        return _Pending(list(self._running), tokens, read)
+
+    def _decode_pipelined(self) -> list:
+        prev = self._pending
+        inputs = prev.tokens[:, None] if prev is not None else mx.array(self._last, dtype=mx.int32)[:, None]
+        self._pending = self._queue_step(inputs)
+        return self._read(prev) if prev is not None else []
+
+    def _flush(self) -> list:
+        """Read the queued step, if any."""
+        prev, self._pending = self._pending, None
+        return self._read(prev) if prev is not None else []
+
+    def _read(self, pending: _Pending) -> list:
+        """The events of a queued step; rows that end leave (after the step queued behind it, which
+        still holds them, is read: its results for them are dropped)."""
+        events, leaving = [], []
+        for row, (seq, token) in enumerate(zip(pending.rows, pending.read())):
+            if seq.finish_reason is not None:  # ended at the step before (or cancelled)
+                continue
+            events.append(self._record(seq, int(token)))
+            self._last[row] = int(token)
+            if seq.finish_reason is not None:
+                leaving.append(seq)
+        if leaving:
+            events += self._flush()  # (may drop rows of its own: rows are found again below)
+            self._leave([i for i, s in enumerate(self._running) if any(s is seq for seq in leaving)])
         return events
 
     def _start(self, seq: Sequence):
@@ -274,12 +355,16 @@ class BatchGenerator:
         return Event(seq.uid, int(token), seq.finish_reason)
 
     def _leave(self, rows):
+        """Drop the running ``rows`` (indices into the running list)."""
         rows = set(rows)
         if self.prefix_cache is not None:
+            lengths = next((c.lengths for c in self._caches if isinstance(c, BatchKVCache)), None)
             for row in rows:
                 seq = self._running[row]
-                # the caches hold the prompt and every new token but the last (never fed back)
-                self.prefix_cache.store(seq.prompt + seq.tokens[:-1], keep_rows(self._caches, [row]))
+                # the caches hold the prompt and the new tokens fed back: all but the last, or all of
+                # them when a pipelined step ran after the last one
+                n = lengths[row] if lengths is not None else len(seq.prompt) + len(seq.tokens) - 1
+                self.prefix_cache.store((seq.prompt + seq.tokens)[:n], keep_rows(self._caches, [row]))
         keep = [r for r in range(len(self._running)) if r not in rows]
         self._running = [self._running[r] for r in keep]
         self._last = [self._last[r] for r in keep]

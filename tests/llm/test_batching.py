@@ -288,3 +288,37 @@ def test_hybrid_models_decode_without_drafts(checkpoints):
     while gen:
         gen.step()
     assert seq.tokens == greedy_alone(model, prompt, 12) and seq.drafted == 0
+
+
+def test_pipelined_steps_give_each_sequence_its_lone_greedy_tokens(checkpoints):
+    """The default greedy sampler pipelines: step n + 1 is queued before step n is read. Rows
+    joining late, leaving at their limits or an EOS id, and a cancel mid-run all keep each
+    sequence's tokens those of `generate` alone; the prefix cache stores what the caches hold."""
+    _, model = checkpoints("llama_gqa")
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (4, 9, 2, 6)]
+    limits = [7, 15, 11, 9]
+    cache = PrefixCache(min_tokens=2)
+    gen = BatchGenerator(model, prefill_chunk=4, prefix_cache=cache)
+    assert gen.sample_lazy is not None
+    alone = [greedy_alone(model, p, n) for p, n in zip(prompts, limits)]
+    eos = alone[3][4]  # the fourth sequence stops at its fifth token
+    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
+    steps = 0
+    while gen:
+        gen.step()
+        steps += 1
+        if steps == 3:
+            seqs.append(gen.add(prompts[2], limits[2]))
+            seqs.append(gen.add(prompts[3], limits[3], eos=[eos]))
+    for seq, want in zip(seqs[:3], alone):
+        assert seq.tokens == want
+    assert seqs[3].tokens == alone[3][:alone[3].index(eos) + 1] and seqs[3].finish_reason == "stop"
+    # a finished sequence's cache entry continues exactly: its tokens as a new prompt reuse it
+    full = prompts[1] + seqs[1].tokens
+    again = BatchGenerator(model, prefix_cache=cache)
+    follow = again.add(full, 4)
+    while again:
+        again.step()
+    assert follow.cached_prefix >= len(full) - 2
+    assert follow.tokens == greedy_alone(model, full, 4)

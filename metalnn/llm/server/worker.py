@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..batching import STOP, BatchGenerator
-from ..sampling import Sampler, TokenChoice, sample_batch
+from ..sampling import Sampler, TokenChoice, propose_batch, sample_batch
 from ..text_pieces import CANCELLED, Speeds, TextPieces
 
 log = logging.getLogger("metalnn.llm.server")
@@ -155,6 +155,28 @@ class Call(Job):
         self.fn, self.prompt_tokens = fn, int(prompt_tokens)
 
 
+def sample_rows_lazy(sequences, logits):
+    """`sample_rows` without evaluating (for pipelined steps): ``(tokens [B] lazy, read)``; each
+    sampler takes its token lazily, ``read()`` evaluates and gives the ints."""
+    samplers = [s.state._sampler for s in sequences]
+    batch = propose_batch(samplers, logits)
+    for i, sampler in enumerate(samplers):
+        sampler.accept(batch.tokens[i])
+
+    def read():
+        mx.eval(batch.arrays())
+        choices = batch.choices()
+        for seq, choice in zip(sequences, choices):
+            seq.state._choices.append(choice)
+        return [c.token for c in choices]
+    return batch.tokens, read
+
+
+def lazy_ok(sequence) -> bool:
+    """Whether a row samples without needing its last token first (no grammar)."""
+    return not sequence.state._sampler.processors
+
+
 class GenerationWorker:
     """Runs every `Job` on its own thread, batched.
 
@@ -195,7 +217,8 @@ class GenerationWorker:
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self.model, sample=sample_rows, prefill_chunk=self.prefill_chunk,
                               max_batch=self.max_batch, prefix_cache=self.prefix_cache, drafter=self.drafter,
-                              max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done)
+                              max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done,
+                              sample_lazy=sample_rows_lazy, can_pipeline=lazy_ok)
 
     def start(self):
         self._thread = threading.Thread(target=self._serve, name="metalnn-generation", daemon=True)
