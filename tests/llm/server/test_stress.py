@@ -360,6 +360,8 @@ def test_sixteen_clients_at_once_each_get_their_own_answer_and_the_counts_add_up
         assert after["cancelled"] - before["cancelled"] == cancelled == 2, after
         assert (after["failed"], after["rejected"]) == (0, 0), after
         assert (after["running"], after["waiting"]) == (0, 0), after
+        outcomes = sum(after[k] - before[k] for k in ("completed", "cancelled", "failed", "rejected"))
+        assert outcomes == completed + cancelled, after  # every job the clients made, each counted once
         assert after["status"] == "ok"
         # and it still answers as it did alone
         again = client_of(server).chat.completions.create(
