@@ -97,10 +97,13 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        """Bytes of the cache arrays kept (any thread: read under the lock the worker stores under)."""
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
 
     def __len__(self):
-        return len(self._entries)
+        with self._lock:
+            return len(self._entries)
 
     def store(self, tokens, caches) -> bool:
         """Keep ``caches`` (one sequence's per-layer caches, unpadded, holding exactly ``tokens``).

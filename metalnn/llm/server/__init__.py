@@ -9,7 +9,7 @@ Endpoints:
 * ``POST /v1/completions``: a plain ``prompt``;
 * ``POST /v1/embeddings``: the model's final hidden states, mean-pooled and L2-normalised;
 * ``GET /health``: ``{"status": "ok", ...}`` with the worker's state, the queue's and request counts
-  (503 and ``"unavailable"`` once the worker has stopped);
+  and the prefix cache's size (503 and ``"unavailable"`` once the worker has stopped);
 * ``GET /metrics``: Prometheus metrics (`metalnn.llm.server.metrics`).
 
 With an API key (``ServerSettings.api_key``), every path but ``/`` and ``/health`` answers 401 unless

@@ -394,6 +394,8 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
     """
     prefix_cache = PrefixCache(settings.prompt_cache_bytes) if settings.prompt_cache_bytes else None
     metrics = ServerMetrics()
+    if prefix_cache is not None:
+        metrics.watch_prefix_cache(prefix_cache)
     drafter = None
     if draft_model is not None:
         drafter = DraftModel(draft_model)

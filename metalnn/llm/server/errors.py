@@ -8,6 +8,7 @@ the size limit (413), a full queue (503) and unexpected failures (500, without i
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -41,10 +42,19 @@ def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+#: the parts pydantic adds to an error's location for the member of a union that was tried
+#: (``str``, ``list[TextPart]``, ``NamedToolChoice``, ``function-after[...]``): types, not fields
+#: (the request fields are all lower case)
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|(list|dict|set|tuple|literal|function-\w+)\[.*\]|[A-Z]\w*)$")
+
+
 def _param(loc) -> str | None:
-    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"`` (a union's member left out:
+    ``("body", "messages", 0, "content", "str")`` -> ``"messages[0].content"``)."""
     text = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, str) and _UNION_MEMBER.match(part):
+            continue
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text or None
 

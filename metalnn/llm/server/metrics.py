@@ -14,10 +14,13 @@ applications in one process (tests) keep separate counts. Names, all prefixed ``
 * ``queue_depth``: requests waiting for the worker; ``running_sequences``: sequences being decoded
   (the batch size);
 * ``prefix_cache_hit_tokens_total``: prompt tokens whose keys and values came from the prefix cache
-  instead of being computed.
+  instead of being computed;
+* ``prefix_cache_bytes``, ``prefix_cache_entries``: the prefix cache's size now (read when scraped;
+  the bytes stay within ``--prompt-cache-mb``).
 
 The worker reports through the methods (`ServerMetrics.tokens`, `first_token`, `queue_depth`,
-`running`, `prefix_cache_hit`); `RequestMetrics` calls `request_finished` for every request.
+`running`, `prefix_cache_hit`), the application binds the prefix cache (`watch_prefix_cache`);
+`RequestMetrics` calls `request_finished` for every request.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class ServerMetrics:
         self._running = Gauge("running_sequences", "Sequences being decoded (the batch size)", **kw)
         self._prefix = Counter("prefix_cache_hit_tokens", "Prompt tokens whose keys and values came from the prefix "
                                "cache", **kw)
+        self._cache_bytes = Gauge("prefix_cache_bytes", "Bytes of keys and values kept by the prefix cache", **kw)
+        self._cache_entries = Gauge("prefix_cache_entries", "Sequences kept by the prefix cache", **kw)
 
     # -- what the application and the worker report -------------------------------------------
     def request_finished(self, endpoint: str, status: int, seconds: float):
@@ -89,6 +94,11 @@ class ServerMetrics:
         """``tokens`` prompt tokens were found in the prefix cache (not computed again)."""
         if tokens:
             self._prefix.inc(int(tokens))
+
+    def watch_prefix_cache(self, cache):
+        """Report ``cache``'s (a `metalnn.llm.prefix_cache.PrefixCache`) size whenever the metrics are read."""
+        self._cache_bytes.set_function(lambda: cache.nbytes)
+        self._cache_entries.set_function(lambda: len(cache))
 
     # -- exposition ----------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:

@@ -259,10 +259,15 @@ class GenerationWorker:
         return self._thread is not None and self._thread.is_alive()
 
     def status(self) -> dict:
+        """The worker's state, the queue, request counts (jobs: one per choice) and the prefix cache's
+        size (``prefix_cache_bytes``, ``prefix_cache_entries``; 0 without one)."""
+        cache = self.prefix_cache
+        cached = {"prefix_cache_bytes": cache.nbytes if cache is not None else 0,
+                  "prefix_cache_entries": len(cache) if cache is not None else 0}
         with self._lock:
             return {"worker": "running" if self.alive else "stopped", "running": self._running,
                     "waiting": self._waiting, "max_queue": self.max_queue, "max_batch": self.max_batch, **self.counts,
-                    "generated_tokens": self.generated_tokens}
+                    "generated_tokens": self.generated_tokens, **cached}
 
     # -- the worker thread ---------------------------------------------------------------------
     def _serve(self):
