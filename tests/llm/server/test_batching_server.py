@@ -13,7 +13,6 @@ import signal
 import openai
 import pytest
 
-import metalnn as mn
 from metalnn.llm.text_generation import TextStream
 
 from app_models import save_tiny_model
@@ -21,19 +20,9 @@ from server_process import running_server
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def draft(tmp_path_factory):
     """Another tiny model with the same tokenizer (different weights: its drafts are often wrong)."""
     return save_tiny_model(tmp_path_factory.mktemp("draft") / "draft", seed=5, hidden_size=32, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
-def local(tiny):
-    return mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
 
 
 def alone(local, messages, max_tokens):

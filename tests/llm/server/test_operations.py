@@ -19,25 +19,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import metalnn as mn
 from metalnn.llm.server.auth import ENV_VAR, load_api_key
 from metalnn.llm.text_generation import TextStream
 
-from app_models import save_tiny_model
 from browser import chromium, needs_browser
 from server_process import running_server
 
 KEY = "sk-test-0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def local(tiny):
-    return mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
 
 
 @pytest.fixture(scope="module")

@@ -24,20 +24,9 @@ from metalnn.llm.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, SamplingPar
 from metalnn.llm.server.logprobs import IMPOSSIBLE, CompletionLogprobs, TokenText
 from metalnn.llm.text_generation import TextStream
 
-from app_models import save_tiny_model
 from server_process import running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me something"}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def local(tiny):
-    return mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
 
 
 @pytest.fixture(scope="module")

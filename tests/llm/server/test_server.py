@@ -18,24 +18,11 @@ import urllib.parse
 import openai
 import pytest
 
-import metalnn as mn
 from metalnn.llm.text_generation import TextStream
 
-from app_models import save_tiny_model
 from server_process import running_server
 
 MAX_BODY = 4096
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def local(tiny):
-    """The same checkpoint in this process: the reference answers."""
-    return mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
 
 
 @pytest.fixture(scope="module")

@@ -27,28 +27,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import metalnn as mn
 from metalnn.llm.sampling import SamplingParams
 from metalnn.llm.text_generation import TextStream
 
-from app_models import save_tiny_model
 from server_process import running_server
 
 #: the body limit of the load test's server (a prompt over the 4096-token context still fits under it)
 MAX_BODY = 16384
 #: seconds any one wait may take on a busy 2-core machine before the test says what did not happen
 DEADLINE = 120
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def local(tiny):
-    """The same checkpoint in this process: the reference answers."""
-    return mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
 
 
 def client_of(server):

@@ -54,11 +54,6 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local(tiny):
-    return mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
-
-
-@pytest.fixture(scope="module")
 def reference(tiny):
     """transformers' tokenizer of the same folder: the independent renderer of the prompts."""
     return transformers.AutoTokenizer.from_pretrained(tiny)
