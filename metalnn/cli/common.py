@@ -30,6 +30,12 @@ def add_model(parser):
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
 
 
+def add_adapter(parser):
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="a LoRA adapter folder (PEFT's adapter_config.json + adapter_model.safetensors, from "
+                             "'metalnn lora' or PEFT) applied to the model")
+
+
 def add_sampling(parser, max_tokens: int = 256):
     """``--max-tokens`` and the sampling options (``--temperature``, ``--top-p``, ``--top-k``,
     ``--min-p``, ``--repetition-penalty``, ``--seed``); an option left out takes the model's
@@ -105,8 +111,9 @@ def positive_int(text: str) -> int:
     return value
 
 
-def load(path, *, tokenizer: bool = True, quiet: bool = False):
-    """``(model, tokenizer)`` of a checkpoint (tokenizer None when not asked for); says on stderr
+def load(path, *, tokenizer: bool = True, quiet: bool = False, adapter=None):
+    """``(model, tokenizer)`` of a checkpoint (tokenizer None when not asked for), with the LoRA
+    adapter folder ``adapter`` applied (`metalnn.llm.tuner.adapters.use_adapter`); says on stderr
     what was loaded and how long it took."""
     from ..llm.models import load_pretrained, load_tokenizer
 
@@ -119,8 +126,13 @@ def load(path, *, tokenizer: bool = True, quiet: bool = False):
         except FileNotFoundError:
             raise CommandError(f"{path}: the model has no tokenizer (tokenizer.json, or a .gguf file's "
                                "vocabulary), so text cannot be encoded") from None
+    how = ""
+    if adapter is not None:
+        from ..llm.tuner.adapters import use_adapter
+
+        how = f", adapter {adapter} {use_adapter(model, adapter)}"
     if not quiet:
-        sys.stderr.write(f"[{model.architecture}, {model.num_layers} layers, loaded in "
+        sys.stderr.write(f"[{model.architecture}, {model.num_layers} layers{how}, loaded in "
                          f"{time.perf_counter() - start:.1f} s]\n")
     return model, tok
 

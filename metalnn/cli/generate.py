@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import CommandError, add_model, add_sampling, fit_context, load, sampling
+from .common import CommandError, add_adapter, add_model, add_sampling, fit_context, load, sampling
 
 
 def add_parser(commands):
@@ -14,6 +14,7 @@ def add_parser(commands):
         "stay within the model's context length: a prompt that fills it is refused, and --max-tokens is lowered "
         "to the room the prompt leaves (with a note on stderr)."))
     add_model(p)
+    add_adapter(p)
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt ('-' reads it from stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
@@ -40,7 +41,7 @@ def run(args, out=None, err=None):
     out, err = out or sys.stdout, err or sys.stderr
     sampling(args)  # bad options are refused before the model loads
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    model, tok = load(args.model)
+    model, tok = load(args.model, adapter=args.adapter)
     options = sampling(args, getattr(model, "generation_config", None))
     ids = prompt_ids(tok, text, args.chat, args.system)
     if not ids:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .common import add_model, positive_int
+import os
+
+from .common import CommandError, add_model, positive_int
 
 
 def add_parser(commands):
@@ -45,9 +47,34 @@ def add_parser(commands):
                      help="the key clients must send as 'Authorization: Bearer KEY' (other users of this machine "
                           "can see a command line: prefer --api-key-file or METALNN_API_KEY)")
     key.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
+    p.add_argument("--adapter", action="append", default=[], metavar="[NAME=]DIR",
+                   help="a LoRA adapter folder (PEFT's adapter_config.json + adapter_model.safetensors, from "
+                        "'metalnn lora' or PEFT). NAME=DIR serves it as the model id NAME (listed by /v1/models; a "
+                        "request's model picks it; requests for several adapters and the base model are decoded "
+                        "together); a bare DIR applies it to every request. Repeatable (one bare DIR at most)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (default info)")
     p.set_defaults(run=run)
+
+
+def adapter_options(values) -> tuple:
+    """``(DIR or None, {NAME: DIR})`` of the ``--adapter`` values: ``NAME=DIR`` names one (an existing
+    folder whose own name holds '=' stays a bare DIR), a bare DIR applies to every request."""
+    bare, named = None, {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or os.path.isdir(value):
+            if bare is not None:
+                raise CommandError(f"--adapter {value}: a second adapter for every request (the first: {bare}); "
+                                   "name them (--adapter NAME=DIR) to serve several")
+            bare = value
+            continue
+        if not name or not folder:
+            raise CommandError(f"--adapter {value}: expected NAME=DIR or DIR")
+        if name in named:
+            raise CommandError(f"--adapter {value}: the name {name!r} is given twice")
+        named[name] = folder
+    return bare, named
 
 
 def run(args):
@@ -61,4 +88,5 @@ def run(args):
                               prompt_lookup=args.prompt_lookup, max_draft=args.max_draft,
                               max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
                               log_level=args.log_level, api_key=load_api_key(args.api_key, args.api_key_file))
+    settings.adapter, settings.adapters = adapter_options(args.adapter)
     serve(args.model, settings)

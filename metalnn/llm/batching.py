@@ -35,11 +35,17 @@ token (default: greedy arg-max); `Sequence.state` carries whatever the sampler k
 A prefix cache (`metalnn.llm.prefix_cache.PrefixCache`) lets a prompt start from the caches of the
 longest prefix an earlier sequence already computed.
 
+With ``adapters`` (a `metalnn.llm.tuner.multi_lora.AdapterRows`), each sequence names the LoRA adapter
+it decodes with (`Sequence.adapter`, None: the base model): every forward pass selects each row's
+adapter, so one batch mixes adapters; the prefix cache keeps each adapter's entries apart (their keys
+and values differ).
+
 Everything here runs on one thread (MLX evaluates on the thread that builds the graph).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,6 +71,7 @@ class Sequence:
         tokens: new tokens so far.
         finish_reason: None while running.
         cached_prefix: prompt tokens taken from the prefix cache (not recomputed).
+        adapter: the name of the LoRA adapter it decodes with (None: the base model).
     """
 
     uid: int
@@ -77,6 +84,7 @@ class Sequence:
     cached_prefix: int = 0
     drafted: int = 0    # draft tokens proposed for it
     accepted: int = 0   # of those, the ones kept
+    adapter: str | None = None
     _caches: list | None = field(default=None, repr=False)
     _done: int = 0  # prompt tokens run so far
 
@@ -132,11 +140,12 @@ class BatchGenerator:
         can_pipeline: ``can_pipeline(sequence) -> bool``: whether a row's sampling works lazily
             (default: always).
         device: the `metalnn.Device` to run on.
+        adapters: the model's `metalnn.llm.tuner.multi_lora.AdapterRows` (None: no named adapters).
     """
 
     def __init__(self, model, *, sample=None, prefill_chunk: int = 256, max_batch: int = 16, prefix_cache=None,
                  drafter=None, max_draft: int = 4, can_draft=None, finished=None, sample_lazy=None,
-                 can_pipeline=None, device=None):
+                 can_pipeline=None, device=None, adapters=None):
         if int(prefill_chunk) < 1 or int(max_batch) < 1:
             raise ValueError(f"BatchGenerator: prefill_chunk and max_batch must be at least 1, got {prefill_chunk} "
                              f"and {max_batch}")
@@ -152,6 +161,7 @@ class BatchGenerator:
         self.can_pipeline = can_pipeline or (lambda seq: True)
         self._pending: _Pending | None = None
         self._carry: list = []  # events read outside `step` (by `cancel`), returned by the next step
+        self.adapters = adapters
         self.steps = 0  # batched decoding passes run
         self._ids = itertools.count()
         self._waiting: deque = deque()   # sequences whose prompt has not finished
@@ -160,14 +170,19 @@ class BatchGenerator:
         self._last: list = []            # each running row's last token (the next step's input)
 
     # -- membership ----------------------------------------------------------------------------
-    def add(self, prompt, max_tokens: int, *, eos=(), state=None) -> Sequence:
-        """Queue a prompt; returns its `Sequence` (its ``uid`` names it in `Event` s)."""
+    def add(self, prompt, max_tokens: int, *, eos=(), state=None, adapter: str | None = None) -> Sequence:
+        """Queue a prompt (decoded with LoRA adapter ``adapter``, None: the base model); returns its
+        `Sequence` (its ``uid`` names it in `Event` s)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("BatchGenerator.add: the prompt is empty (at least one token is needed)")
         if int(max_tokens) < 1:
             raise ValueError(f"BatchGenerator.add: max_tokens must be at least 1, got {max_tokens}")
-        seq = Sequence(next(self._ids), prompt, int(max_tokens), frozenset(int(e) for e in eos), state)
+        if adapter is not None and (self.adapters is None or adapter not in self.adapters.names):
+            have = list(self.adapters.names) if self.adapters is not None else []
+            raise ValueError(f"BatchGenerator.add: adapter {adapter!r} is not installed (installed: {have})")
+        seq = Sequence(next(self._ids), prompt, int(max_tokens), frozenset(int(e) for e in eos), state,
+                       adapter=adapter)
         self._waiting.append(seq)
         return seq
 
@@ -226,7 +241,8 @@ class BatchGenerator:
         return all(self.can_pipeline(s) for s in self._running)
 
     def _queue_step(self, inputs) -> _Pending:
-        logits = self.model(inputs, cache=self._caches, device=self.device)[:, -1, :]
+        with self._selected(self._running):
+            logits = self.model(inputs, cache=self._caches, device=self.device)[:, -1, :]
         self.steps += 1
         tokens, read = self.sample_lazy(self._running, logits)
         mx.async_eval(tokens)
@@ -264,7 +280,7 @@ class BatchGenerator:
         seq._caches, seq._done = self.model.make_cache(), 0
         if self.prefix_cache is not None:
             # keep at least one prompt token to run: its logits give the first new token
-            hit = self.prefix_cache.lookup(seq.prompt, max_tokens=len(seq.prompt) - 1)
+            hit = self.prefix_cache.lookup(seq.prompt, max_tokens=len(seq.prompt) - 1, adapter=seq.adapter)
             if hit is not None:
                 seq._done, seq._caches = hit
                 seq.cached_prefix = seq._done
@@ -276,16 +292,18 @@ class BatchGenerator:
         chunk = mx.array(seq.prompt[seq._done:end], dtype=mx.int32)[None]
         if end < len(seq.prompt):
             # positions whose outputs nobody reads: only their keys and values are computed
-            self.model(chunk, cache=seq._caches, device=self.device)
+            with self._selected([seq]):
+                self.model(chunk, cache=seq._caches, device=self.device)
             mx.eval([s for c in seq._caches for s in c.state])
             seq._done = end
             return []
-        logits = self.model(chunk, cache=seq._caches, device=self.device)[:, -1, :]
+        with self._selected([seq]):
+            logits = self.model(chunk, cache=seq._caches, device=self.device)[:, -1, :]
         token = self.sample([seq], logits)[0]
         seq._done = end
         self._waiting.popleft()
         if self.prefix_cache is not None:
-            self.prefix_cache.store(seq.prompt, seq._caches)
+            self.prefix_cache.store(seq.prompt, seq._caches, adapter=seq.adapter)
         event = self._record(seq, token)
         if seq.finish_reason is None:
             self._join(seq)
@@ -317,7 +335,8 @@ class BatchGenerator:
         drafts = self._drafts()
         width = max((len(d) for d in drafts), default=0)
         rows = [[last] + d + [0] * (width - len(d)) for last, d in zip(self._last, drafts)]
-        logits = self.model(mx.array(rows, dtype=mx.int32), cache=self._caches, device=self.device)
+        with self._selected(self._running):
+            logits = self.model(mx.array(rows, dtype=mx.int32), cache=self._caches, device=self.device)
         self.steps += 1
         picked = self.sample(self._running, logits[:, 0, :])
         # the model's own choice after each draft token (greedy rows only have drafts)
@@ -346,6 +365,12 @@ class BatchGenerator:
             self._leave(leaving)
         return events
 
+    def _selected(self, sequences):
+        """The rows' adapters selected for one forward pass (nothing to select without adapters)."""
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.selected([seq.adapter for seq in sequences])
+
     def _record(self, seq: Sequence, token: int) -> Event:
         seq.tokens.append(int(token))
         if token in seq.eos or (self.finished is not None and self.finished(seq)):
@@ -364,7 +389,8 @@ class BatchGenerator:
                 # the caches hold the prompt and the new tokens fed back: all but the last, or all of
                 # them when a pipelined step ran after the last one
                 n = lengths[row] if lengths is not None else len(seq.prompt) + len(seq.tokens) - 1
-                self.prefix_cache.store((seq.prompt + seq.tokens)[:n], keep_rows(self._caches, [row]))
+                self.prefix_cache.store((seq.prompt + seq.tokens)[:n], keep_rows(self._caches, [row]),
+                                        adapter=seq.adapter)
         keep = [r for r in range(len(self._running)) if r not in rows]
         self._running = [self._running[r] for r in keep]
         self._last = [self._last[r] for r in keep]

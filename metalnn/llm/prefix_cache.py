@@ -15,7 +15,9 @@ the longest usable match:
 Entries are MLX arrays shared with the sequence that made them: MLX writes a cache in place only
 when nothing else holds it, so a sequence continuing from an entry copies it on its first write
 instead of changing it. The cache holds at most ``max_bytes`` (least recently used entries go
-first); ``save``/``load`` keep entries in a folder between runs.
+first); ``save``/``load`` keep entries in a folder between runs. Sequences decoded with a LoRA
+adapter store and look up their entries under its name (``adapter=``): the keys and values of the
+same tokens differ from one adapter to another.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def _arrays(caches) -> list:
 
 
 class _Entry:
-    def __init__(self, tokens, caches):
+    def __init__(self, tokens, caches, adapter=None):
         self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.adapter = adapter
         self.caches = caches
         self.recurrent = any(isinstance(c, GatedDeltaCache) for c in caches)
         self.nbytes = sum(a.nbytes for a in _arrays(caches))
@@ -105,9 +108,10 @@ class PrefixCache:
         with self._lock:
             return len(self._entries)
 
-    def store(self, tokens, caches) -> bool:
-        """Keep ``caches`` (one sequence's per-layer caches, unpadded, holding exactly ``tokens``).
-        Returns False when not kept (too short, or larger than the whole budget)."""
+    def store(self, tokens, caches, adapter: str | None = None) -> bool:
+        """Keep ``caches`` (one sequence's per-layer caches, unpadded, holding exactly ``tokens``,
+        computed with LoRA adapter ``adapter``, None: the base model). Returns False when not kept
+        (too short, or larger than the whole budget)."""
         tokens = [int(t) for t in tokens]
         if len(tokens) < self.min_tokens:
             return False
@@ -116,16 +120,16 @@ class PrefixCache:
             if lengths is not None and lengths != [len(tokens)]:
                 raise ValueError(f"PrefixCache.store: one sequence of {len(tokens)} positions is needed, got lengths "
                                  f"{lengths}")
-        entry = _Entry(tokens, [_single(c, len(tokens)) for c in caches])
+        entry = _Entry(tokens, [_single(c, len(tokens)) for c in caches], adapter)
         if entry.nbytes > self.max_bytes:
             return False
-        key = tuple(tokens)
+        key = (adapter, *tokens)
         with self._lock:
             self._entries.pop(key, None)
             # an entry that is a prefix of the new one (the same conversation, one turn earlier) is
             # covered by it unless recurrent states make exact lengths matter
             if not entry.recurrent:
-                for k in [k for k in self._entries if len(k) < len(key) and key[:len(k)] == k]:
+                for k in [k for k in self._entries if k[0] == adapter and len(k) < len(key) and key[:len(k)] == k]:
                     del self._entries[k]
             self._entries[key] = entry
             self._evict()
@@ -137,14 +141,17 @@ class PrefixCache:
             _, old = self._entries.popitem(last=False)
             total -= old.nbytes
 
-    def lookup(self, prompt, max_tokens: int | None = None):
+    def lookup(self, prompt, max_tokens: int | None = None, adapter: str | None = None):
         """``(n, caches)``: fresh per-layer caches holding the first ``n`` tokens of ``prompt`` (the
-        longest stored match, at most ``max_tokens``), or None when nothing matches ``min_tokens``."""
+        longest stored match computed with LoRA adapter ``adapter``, at most ``max_tokens``), or None
+        when nothing matches ``min_tokens``."""
         prompt = np.asarray([int(t) for t in prompt], dtype=np.int64)
         limit = len(prompt) if max_tokens is None else min(len(prompt), int(max_tokens))
         best, best_key = 0, None
         with self._lock:
             for key, entry in self._entries.items():
+                if entry.adapter != adapter:
+                    continue
                 n = min(_common_prefix(entry.tokens, prompt), limit)
                 if entry.recurrent and n != len(entry.tokens):
                     continue
@@ -184,6 +191,8 @@ class PrefixCache:
                     n = len(entry.tokens)
                     arrays[f"{j}.keys"], arrays[f"{j}.values"] = c.keys[..., :n, :], c.values[..., :n, :]
             meta = {"tokens": json.dumps(entry.tokens.tolist()), "kinds": json.dumps(kinds)}
+            if entry.adapter is not None:
+                meta["adapter"] = entry.adapter
             mx.save_safetensors(str(folder / f"prefix-{i:05d}.safetensors"), arrays, metadata=meta)
         return len(entries)
 
@@ -208,5 +217,5 @@ class PrefixCache:
                     caches.append(c)
             except (KeyError, ValueError, RuntimeError, json.JSONDecodeError):
                 continue
-            count += bool(self.store(tokens, caches))
+            count += bool(self.store(tokens, caches, adapter=meta.get("adapter")))
         return count

@@ -16,6 +16,12 @@ With an API key (``ServerSettings.api_key``), every path but ``/`` and ``/health
 the request sends ``Authorization: Bearer KEY``; the chat page then asks for the key. A request for a
 model other than the one served gets 404 ``model_not_found``.
 
+LoRA adapters (PEFT folders, `metalnn.llm.tuner.adapters`): ``ServerSettings.adapter`` is merged into
+the model for every request; each of ``ServerSettings.adapters`` (``{NAME: folder}``) is served as the
+model id ``NAME`` (listed by ``/v1/models`` with ``"parent"``: the base model), and requests for
+different adapters and for the base model decode in the same batch
+(`metalnn.llm.tuner.multi_lora`, `metalnn.llm.server.adapters`).
+
 Both generation endpoints take ``max_tokens`` (chat also ``max_completion_tokens``),
 ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``,
 ``n`` (up to 8 choices), ``logprobs`` (chat: with ``top_logprobs``), ``stop`` (up to 4 strings),
@@ -45,7 +51,7 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .app import create_app
@@ -73,6 +79,8 @@ class ServerSettings:
         max_body_bytes: largest request body; larger ones get HTTP 413.
         log_level: uvicorn's log level.
         api_key: the key clients must send (``Authorization: Bearer KEY``); None: no key needed.
+        adapter: a LoRA adapter folder applied to every request (None: none).
+        adapters: named LoRA adapter folders ``{NAME: folder}``, each served as the model id ``NAME``.
     """
 
     host: str = "127.0.0.1"
@@ -90,6 +98,8 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     log_level: str = "info"
     api_key: str | None = None
+    adapter: str | None = None
+    adapters: dict = field(default_factory=dict)
 
 
 def model_name(source) -> str:
@@ -127,6 +137,20 @@ def _quietly(signum, frame):
     ends normally (status 0) instead of being killed by the signal."""
 
 
+def load_adapters(model, settings: ServerSettings, name: str):
+    """Apply ``settings.adapter`` to ``model`` and install ``settings.adapters``; returns their
+    `metalnn.llm.tuner.multi_lora.AdapterRows` (None without named adapters). Every folder is read
+    and checked against the model before the server starts."""
+    from ..tuner.adapters import read_adapter, use_adapter
+    from ..tuner.multi_lora import install_adapters
+    from .adapters import check_adapter_name
+
+    named = {check_adapter_name(n, name): read_adapter(folder) for n, folder in settings.adapters.items()}
+    if settings.adapter:
+        use_adapter(model, settings.adapter)
+    return install_adapters(model, named) if named else None
+
+
 def serve(model, settings: ServerSettings | None = None, *, announce=None):
     """Load ``model`` (anything `metalnn.llm.models.load_pretrained` takes) and serve it until SIGTERM
     or Ctrl-C.
@@ -150,7 +174,8 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None):
     if draft is not None and draft.vocab_size != loaded.vocab_size:
         raise ValueError(f"--draft-model {settings.draft_model}: its vocabulary has {draft.vocab_size} tokens, the "
                          f"model's {loaded.vocab_size}; a draft model must share the model's tokenizer")
-    app = create_app(loaded, tokenizer, settings, name, draft_model=draft)
+    adapters = load_adapters(loaded, settings, name)
+    app = create_app(loaded, tokenizer, settings, name, draft_model=draft, adapters=adapters)
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

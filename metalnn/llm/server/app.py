@@ -8,7 +8,9 @@ Routes: ``GET /`` (the chat page), ``GET /health``, ``GET /metrics``, ``GET /v1/
 when asked for (`metalnn.llm.server.logprobs`). A request naming a ``model`` other than the served
 one gets 404 ``model_not_found`` (leaving ``model`` out is fine). With ``settings.api_key`` every
 path but ``/`` and ``/health`` needs ``Authorization: Bearer KEY`` (`metalnn.llm.server.auth`).
-Tool calls and constrained output (a request's grammar) are in `metalnn.llm.server.tools`.
+Tool calls and constrained output (a request's grammar) are in `metalnn.llm.server.tools`. Named
+LoRA adapters are served as models of their own (`metalnn.llm.server.adapters`): a request's
+``model`` picks the adapter its job decodes with.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..sampling import SamplingParams
 from ..text_generation import CANCELLED
 from ..tool_prompt import output_format, render_conversation
 from . import errors, tools
+from .adapters import ServedModels
 from .auth import APIKeyAuth
 from .embeddings import EmbeddingRequest, Embeddings
 from .errors import SERVER_ERROR, APIError, error_body
@@ -52,12 +55,6 @@ def chat_page(key_required: bool = False) -> str:
     if KEY_FLAG.format("false") not in page:
         raise RuntimeError(f"chat.html lacks its flag {KEY_FLAG.format('false')}")
     return page.replace(KEY_FLAG.format("false"), KEY_FLAG.format("true" if key_required else "false"))
-
-
-def model_not_found(model_id: str, served: str) -> APIError:
-    """OpenAI's answer to a model it does not have: 404, code ``model_not_found``."""
-    return APIError(404, f"The model '{model_id}' does not exist; this server serves '{served}'.",
-                    param="model", code="model_not_found")
 
 
 def enqueue(worker: GenerationWorker, job: Job):
@@ -105,8 +102,9 @@ def _timings(streams) -> dict:
 class Generations:
     """Turns validated requests into worker jobs and jobs into OpenAI responses."""
 
-    def __init__(self, model, tokenizer, worker: GenerationWorker, name: str, settings):
+    def __init__(self, model, tokenizer, worker: GenerationWorker, name: str, settings, models: ServedModels = None):
         self.model, self.tokenizer, self.worker, self.name, self.settings = model, tokenizer, worker, name, settings
+        self.models = models or ServedModels(name)
         self.context = model.context_length
         self.vocab_size = model.vocab_size
         #: the checkpoint's generation_config.json (None: the shared defaults of metalnn.llm.sampling)
@@ -163,11 +161,11 @@ class Generations:
             field = str(e).partition(":")[0].removeprefix("SamplingParams.").partition("[")[0]
             raise APIError(400, f"Invalid value: {e}", param=field or None, code="invalid_value") from None
 
-    def submit(self, body, prompt: list[int], constraints=None) -> list[Job]:
-        """One worker job per choice (``n``; ``constraints``: each choice's grammar or None); all or
-        none are queued."""
+    def submit(self, body, prompt: list[int], constraints=None, adapter: str | None = None) -> list[Job]:
+        """One worker job per choice (``n``; ``constraints``: each choice's grammar or None; ``adapter``:
+        the LoRA adapter's name or None); all or none are queued."""
         limit = self.token_limit(len(prompt), body.token_limit)
-        options = [{"max_tokens": limit, "sampling": self.sampling(body, i), "stop": body.stop}
+        options = [{"max_tokens": limit, "sampling": self.sampling(body, i), "stop": body.stop, "adapter": adapter}
                    for i in range(body.choices)]
         for option, constraint in zip(options, constraints or ()):
             if constraint is not None:
@@ -185,19 +183,20 @@ class Generations:
         return jobs
 
     # -- responses -----------------------------------------------------------------------------
-    def check_model(self, body):
-        if body.model is not None and body.model != self.name:
-            raise model_not_found(body.model, self.name)
+    def check_model(self, body) -> str | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model); 404 for others."""
+        return self.models.adapter(body.model)
 
-    async def respond(self, request: Request, body, prompt: list[int], chat: bool):
+    async def respond(self, request: Request, body, prompt: list[int], chat: bool, adapter: str | None = None):
         # a grammar holds per-sequence state: one per choice
         constraints = [await asyncio.to_thread(tools.constraint, self.tokenizer, body) for _ in range(body.choices)]
-        jobs = self.submit(body, prompt, constraints)
+        jobs = self.submit(body, prompt, constraints, adapter)
         calls = None
         if chat and tools.parses_tool_calls(body):
             calls = [tools.ToolCallDeltas(output_format(self.tokenizer)) for _ in jobs]
-        shape = (_ChatShape(self.name, self.token_text, calls) if chat else
-                 _CompletionShape(self.name, self.token_text, len(body.prompt), len(jobs)))
+        name = self.models.model_id(adapter)
+        shape = (_ChatShape(name, self.token_text, calls) if chat else
+                 _CompletionShape(name, self.token_text, len(body.prompt), len(jobs)))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._stream(request, jobs, shape, include_usage), media_type="text/event-stream",
@@ -386,9 +385,11 @@ class _CompletionShape:
         return {**self.base, "choices": choices, "usage": _usage(streams), "timings": _timings(streams)}
 
 
-def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastAPI:
+def create_app(model, tokenizer, settings, name: str, draft_model=None, adapters=None) -> FastAPI:
     """The application serving ``model`` under the id ``name`` (see `metalnn.llm.server.ServerSettings`;
-    ``draft_model``: a loaded model for ``settings.draft_model``).
+    ``draft_model``: a loaded model for ``settings.draft_model``; ``adapters``: the
+    `metalnn.llm.tuner.multi_lora.AdapterRows` of the named LoRA adapters installed in ``model``, each
+    served as the model id of its name).
 
     The generation worker starts with the application and stops with it.
     """
@@ -405,8 +406,9 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
                               prefix_cache=prefix_cache, prefill_chunk=settings.prefill_chunk, drafter=drafter,
                               max_draft=getattr(settings, "max_draft", 4),
                               prompt_cache_dir=settings.prompt_cache_dir if prefix_cache is not None else None,
-                              metrics=metrics)
-    generations = Generations(model, tokenizer, worker, name, settings)
+                              metrics=metrics, adapters=adapters)
+    models = ServedModels(name, dict.fromkeys(adapters.names) if adapters is not None else None)
+    generations = Generations(model, tokenizer, worker, name, settings, models)
     embeddings = Embeddings(model, tokenizer, name, lambda job: enqueue(worker, job))
     api_key = getattr(settings, "api_key", None)
     page = chat_page(key_required=api_key is not None)
@@ -448,27 +450,28 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None) -> FastA
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": models.cards(card)}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        if model_id != name:
-            raise model_not_found(model_id, name)
-        return card
+        return models.card(model_id, card)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        generations.check_model(body)
-        return await generations.respond(request, body, generations.chat_prompt(body), chat=True)
+        adapter = generations.check_model(body)
+        return await generations.respond(request, body, generations.chat_prompt(body), chat=True, adapter=adapter)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        generations.check_model(body)
-        return await generations.respond(request, body, generations.completion_prompt(body), chat=False)
+        adapter = generations.check_model(body)
+        return await generations.respond(request, body, generations.completion_prompt(body), chat=False,
+                                         adapter=adapter)
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest):
-        generations.check_model(body)
+        if generations.check_model(body) is not None:
+            raise APIError(400, f"Embeddings come from the base model '{name}'; the adapter '{body.model}' only "
+                           "changes generated text.", param="model", code="invalid_value")
         return await embeddings.respond(body)
 
     return app

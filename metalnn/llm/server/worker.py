@@ -86,7 +86,8 @@ class Job:
 
     Args:
         prompt: the prompt's token ids.
-        options: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``.
+        options: ``max_tokens``, ``sampling``, ``stop``, ``processors``, ``adapter`` (the LoRA adapter's
+            name, absent or None: the base model).
         loop: the event loop of the request (events are delivered to it thread-safely).
     """
 
@@ -190,16 +191,19 @@ class GenerationWorker:
         prompt_cache_dir: a folder the prefix cache is read from when the worker starts and written
             to when it stops (on the worker's thread: MLX arrays belong to the thread's stream).
         metrics: a `metalnn.llm.server.metrics.ServerMetrics` to report to (None: none).
+        adapters: the model's `metalnn.llm.tuner.multi_lora.AdapterRows` (named LoRA adapters a job
+            may ask for; None: none).
     """
 
     def __init__(self, model, tokenizer, max_queue: int = 16, *, max_batch: int = 8, prefix_cache=None,
                  prefill_chunk: int = 256, drafter=None, max_draft: int = 4, prompt_cache_dir=None,
-                 metrics=None):
+                 metrics=None, adapters=None):
         self.model, self.tokenizer, self.max_queue = model, tokenizer, int(max_queue)
         self.metrics = metrics
         self.max_batch, self.prefix_cache, self.prefill_chunk = int(max_batch), prefix_cache, int(prefill_chunk)
         self.drafter, self.max_draft = drafter, int(max_draft)
         self.prompt_cache_dir = prompt_cache_dir
+        self.adapters = adapters
         self.eos = frozenset(getattr(model, "eos_token_ids", ()) or ()) | frozenset(tokenizer.eos_token_ids)
         self._inbox: queue.Queue = queue.Queue()
         # re-entrant: cancel_all also runs from the SIGTERM handler, which may interrupt submit()
@@ -218,7 +222,7 @@ class GenerationWorker:
         return BatchGenerator(self.model, sample=sample_rows, prefill_chunk=self.prefill_chunk,
                               max_batch=self.max_batch, prefix_cache=self.prefix_cache, drafter=self.drafter,
                               max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done,
-                              sample_lazy=sample_rows_lazy, can_pipeline=lazy_ok)
+                              sample_lazy=sample_rows_lazy, can_pipeline=lazy_ok, adapters=self.adapters)
 
     def start(self):
         self._thread = threading.Thread(target=self._serve, name="metalnn-generation", daemon=True)
@@ -334,7 +338,7 @@ class GenerationWorker:
             job._sampler = Sampler(o["sampling"], job.prompt, o.get("processors") or ())
             job._started = time.perf_counter()
             job.result = Completion(prompt_tokens=len(job.prompt), sampling=o["sampling"])
-            seq = self._generator.add(job.prompt, o["max_tokens"], eos=self.eos, state=job)
+            seq = self._generator.add(job.prompt, o["max_tokens"], eos=self.eos, state=job, adapter=o.get("adapter"))
             self._jobs[seq.uid] = job
             job._seq = seq
 

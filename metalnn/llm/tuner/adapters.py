@@ -10,10 +10,12 @@ error names the folder, each mismatch and the base model the adapter was trained
 GGUF file of the same model all differ, while their module shapes agree).
 
 `use_adapter` merges the adapter into the weights (`metalnn.llm.tuner.lora.fuse`): the model then
-runs exactly as a plain one, with the fused native decoding step. On SmolLM2-135M (Q4_1 GGUF, CPU)
-decoding was measured at 1.00x the base model's speed fused versus 0.42x with `LoRALinear` kept
-(the adapted blocks then run op by op; scripts/bench_adapters.py). How it is merged depends on the
-base's projections:
+runs as a plain one, with the fused native decoding step. Measured with scripts/bench_adapters.py on
+SmolLM2-135M (Q4_1 GGUF, CPU, rank 8 on q_proj and v_proj, greedy decoding, ratios to the base model
+in the same run on a shared machine): merged into float32 projections 0.88x, kept as `LoRALinear`
+(the adapted blocks then run op by op) 0.68x, merged and re-encoded as Q4_1 1.0-1.1x but no longer
+the adapter's numbers, installed as a named adapter (`metalnn.llm.tuner.multi_lora`) 0.55x. How it
+is merged depends on the base's projections:
 
 * float32: ``W + (alpha / r) B A``, the same numbers as PEFT's unmerged forward up to rounding;
 * packed GGML (GGUF) or MLX-quantized: the adapted projections become float layers holding
