@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_map
 
 import metalnn as mn
-from metalnn.llm.batching import BatchGenerator
+from metalnn.llm.batching import BatchGenerator, PromptLookup
 from metalnn.llm.prefix_cache import PrefixCache
 from metalnn.llm.tuner import lora
 from metalnn.llm.tuner.adapters import AdapterError, read_adapter, use_adapter
@@ -94,14 +94,17 @@ def test_several_adapters_chosen_per_row_equal_peft_row_by_row(tiny, adapters):
             pass
 
 
-def test_a_batch_mixing_adapters_decodes_each_row_as_alone(tiny, adapters):
+@pytest.mark.parametrize("drafter", [None, "prompt_lookup"])
+def test_a_batch_mixing_adapters_decodes_each_row_as_alone(tiny, adapters, drafter):
     """`BatchGenerator` rows with different adapters (and none), the same prompt (the prefix cache must
-    keep each adapter's keys and values apart), each equal to PEFT's greedy answer alone."""
+    keep each adapter's keys and values apart), each equal to PEFT's greedy answer alone; with
+    speculative decoding, the drafts are checked with each row's adapter."""
     model = mn.models.load_pretrained(tiny)
     rows = install_adapters(model, {name: read_adapter(f) for name, f in adapters.items()})
-    prompt = tokens((20,), seed=7).tolist()
+    prompt = (tokens((10,), seed=7).tolist()) * 2  # repeats: prompt lookup finds drafts
     cache = PrefixCache(min_tokens=4)
-    gen = BatchGenerator(model, prefill_chunk=8, max_batch=4, prefix_cache=cache, adapters=rows)
+    gen = BatchGenerator(model, prefill_chunk=8, max_batch=4, prefix_cache=cache, adapters=rows,
+                         drafter=PromptLookup(min_rate=0.0) if drafter else None)
     names = [None, "qv", "mlp", "qv", None, "mlp"]
     seqs = [gen.add(prompt, 10, adapter=n) for n in names]
     while gen:
@@ -110,6 +113,8 @@ def test_a_batch_mixing_adapters_decodes_each_row_as_alone(tiny, adapters):
     assert [s.tokens for s in seqs] == [want[n] for n in names]
     assert len(set(map(tuple, want.values()))) == 3  # three different answers
     assert cache.hits >= 3  # the later rows of each adapter started from its own cached prompt
+    if drafter:
+        assert sum(s.drafted for s in seqs) > 0
     with pytest.raises(ValueError, match="adapter 'sql' is not installed"):
         gen.add(prompt, 4, adapter="sql")
 
@@ -144,3 +149,40 @@ def test_bad_adapter_folders_are_named_with_the_problem(tiny, adapters, tmp_path
     (dora / "adapter_model.safetensors").write_bytes((adapters["qv"] / "adapter_model.safetensors").read_bytes())
     with pytest.raises(AdapterError, match=f"adapter {dora}: use_dora set"):
         read_adapter(dora)
+
+
+def test_an_adapter_on_a_gguf_model_gives_pefts_logits_on_transformers_reading_of_it(tmp_path):
+    """Packed GGML projections (Q4_0, Q8_0, F16) become float layers holding dequantize(W) + scale B A:
+    PEFT on transformers' reading of the same file (every tensor dequantized to float32) is the
+    reference, to float32 rounding (1e-4, as tests/llm/gguf/test_gguf.py)."""
+    import peft
+    import torch
+    import transformers
+
+    import gguf_files
+    from metalnn.layers.ggml import GGMLLinear
+    from metalnn.layers.linear import Linear
+
+    gguf_files.write(tmp_path / "m.gguf", gguf_files.hf_model("llama"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    torch.manual_seed(6)
+    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                            "o_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    peft_model.eval().save_pretrained(tmp_path / "adapter")
+    toks = tokens((2, 12), seed=8)
+    with torch.no_grad():
+        want = peft_model(torch.tensor(toks)).logits.numpy()
+        with peft_model.disable_adapter():
+            without = peft_model(torch.tensor(toks)).logits.numpy()
+    model = mn.models.load_pretrained(tmp_path / "m.gguf")
+    assert type(model.model.layers[0].self_attn.q_proj) is GGMLLinear
+    assert use_adapter(model, tmp_path / "adapter") == "fused"
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.q_proj) is Linear and layer.self_attn.q_proj.weight.dtype == mx.float32
+    assert type(layer.self_attn.k_proj) is GGMLLinear  # only the adapted projections are converted
+    np.testing.assert_allclose(np.array(model(mx.array(toks))), want, atol=ATOL, rtol=0)
+    assert np.abs(want - without).max() > 100 * ATOL
