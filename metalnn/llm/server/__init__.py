@@ -4,7 +4,7 @@ Endpoints:
 
 * ``GET /``: a self-contained chat page (no external resources) that talks to the streaming
   endpoint below;
-* ``GET /v1/models``: the one model served;
+* ``GET /v1/models``: the model served (and each named LoRA adapter, see below);
 * ``POST /v1/chat/completions``: ``messages`` through the model's chat template;
 * ``POST /v1/completions``: a plain ``prompt``;
 * ``POST /v1/embeddings``: the model's final hidden states, mean-pooled and L2-normalised;
@@ -137,7 +137,7 @@ def _quietly(signum, frame):
     ends normally (status 0) instead of being killed by the signal."""
 
 
-def load_adapters(model, settings: ServerSettings, name: str):
+def prepare_adapters(model, settings: ServerSettings, name: str):
     """Apply ``settings.adapter`` to ``model`` and install ``settings.adapters``; returns their
     `metalnn.llm.tuner.multi_lora.AdapterRows` (None without named adapters). Every folder is read
     and checked against the model before the server starts."""
@@ -174,7 +174,7 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None):
     if draft is not None and draft.vocab_size != loaded.vocab_size:
         raise ValueError(f"--draft-model {settings.draft_model}: its vocabulary has {draft.vocab_size} tokens, the "
                          f"model's {loaded.vocab_size}; a draft model must share the model's tokenizer")
-    adapters = load_adapters(loaded, settings, name)
+    adapters = prepare_adapters(loaded, settings, name)
     app = create_app(loaded, tokenizer, settings, name, draft_model=draft, adapters=adapters)
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
