@@ -4,7 +4,7 @@ official ``openai`` client.
 References: PEFT on transformers (the adapter format's own implementation) for greedy answers, and
 `metalnn.llm.text_generation.TextStream` alone in this process on the checkpoint with the adapter
 applied (greedy decoding is deterministic: a request's answer must not depend on what else the
-server decodes with it).
+server decodes with it). ``tiny`` is the shared tiny chat model (tests/llm/server/conftest.py).
 """
 
 import concurrent.futures
@@ -21,11 +21,6 @@ from metalnn.llm.tuner.adapters import use_adapter
 from app_models import save_tiny_model
 from peft_adapters import peft_greedy, save_peft_adapter
 from server_process import running_server
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
 
 
 @pytest.fixture(scope="module")
