@@ -3,10 +3,7 @@ tests/support/app_models.py, against PEFT on transformers: greedy answers with a
 PEFT and by `metalnn.llm.tuner.lora.save_adapters` (as ``metalnn lora`` writes them).
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
@@ -17,13 +14,9 @@ from metalnn.cli.common import CommandError
 from metalnn.llm.tuner import lora
 
 from app_models import save_tiny_model
+from commands import metalnn_cmd
 from peft_adapters import peft_greedy, save_peft_adapter
 
-
-def metalnn_cmd(*args, input=None, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "metalnn", *map(str, args)], input=input, capture_output=True,
-                          text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

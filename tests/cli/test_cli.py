@@ -25,25 +25,12 @@ from metalnn.llm.tuner import lora
 from metalnn.llm.text_generation import TextStream
 
 from app_models import save_tiny_model
+from commands import assert_one_line_error, metalnn_cmd
 from bundled_model import smollm2_file
 
 COMMANDS = ("info", "generate", "chat", "serve", "quantize", "lora", "bench")
 
 
-def metalnn_cmd(*args, input=None, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "metalnn", *map(str, args)], input=input, capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
-def assert_one_line_error(result, *mentions):
-    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert "Traceback" not in result.stderr
-    assert len(lines) == 1 or (len(lines) == 2 and lines[0].startswith("[")), result.stderr  # [loaded ...] first
-    assert re.match(r"metalnn \w+: error: ", lines[-1]), lines[-1]
-    for m in mentions:
-        assert m in lines[-1], (m, lines[-1])
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,7 @@ The tiny character-level chat model (tests/support/app_models.py) is saved with 
 process on the prompts that should remain (rendered here with the chat template; greedy decoding).
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -16,22 +13,11 @@ import metalnn as mn
 from metalnn.llm.text_generation import TextStream
 
 from app_models import save_tiny_model
+from commands import assert_one_line_error, metalnn_cmd
 
 CONTEXT = 64
 
 
-def metalnn_cmd(*args, input=None, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "metalnn", *map(str, args)], input=input, capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
-def assert_one_line_error(result, *mentions):
-    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert "Traceback" not in result.stderr and re.match(r"metalnn \w+: error: ", lines[-1]), result.stderr
-    for m in mentions:
-        assert m in lines[-1], (m, lines[-1])
 
 
 @pytest.fixture(scope="module")

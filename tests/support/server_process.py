@@ -41,6 +41,20 @@ class Server:
                 raise AssertionError(f"the server is still busy after {timeout} s: {h}")
             time.sleep(0.05)
 
+    def post(self, path, body: bytes, headers=None, timeout: float = 60) -> tuple:
+        """``(status, parsed JSON body)`` of a raw POST (for what the ``openai`` client would not send)."""
+        import http.client
+        import urllib.parse
+
+        url = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+        try:
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read() or b"null")
+        finally:
+            conn.close()
+
     def logs(self) -> str:
         return "".join((self.log_dir / n).read_text(errors="replace") for n in ("stdout.log", "stderr.log"))
 

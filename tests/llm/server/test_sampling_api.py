@@ -9,10 +9,8 @@ sampling itself against transformers). Token texts are checked against transform
 alphabet.
 """
 
-import http.client
 import json
 import shutil
-import urllib.parse
 
 import mlx.core as mx
 import openai
@@ -29,28 +27,8 @@ from server_process import running_server
 MESSAGES = [{"role": "user", "content": "Tell me something"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    with running_server(tiny, tmp_path_factory.mktemp("logs")) as s:
-        yield s
-        assert "Traceback" not in s.logs(), s.logs()
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)
-
-
 def post(server, path, body: dict):
-    """(status, parsed JSON body) of a raw POST (for what the client would not send)."""
-    url = urllib.parse.urlsplit(server.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    try:
-        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, json.loads(r.read() or b"null")
-    finally:
-        conn.close()
+    return server.post(path, json.dumps(body).encode())
 
 
 def expected(local, ids, max_tokens, **overrides):

@@ -51,15 +51,7 @@ def expected_completion(local, prompt, max_tokens, **options):
 
 
 def post(server, path, body: bytes, headers=None):
-    """(status, parsed JSON body) of a raw POST."""
-    url = urllib.parse.urlsplit(server.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        return r.status, json.loads(r.read() or b"null")
-    finally:
-        conn.close()
+    return server.post(path, body, headers)
 
 
 def test_models_and_health(server, client):

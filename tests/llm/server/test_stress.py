@@ -67,14 +67,7 @@ def host_port(server):
 
 
 def raw_post(server, path, body: bytes, headers=None):
-    """(status, parsed JSON body) of a raw POST (for what the client would not send)."""
-    conn = http.client.HTTPConnection(*host_port(server), timeout=DEADLINE)
-    try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        return r.status, json.loads(r.read() or b"null")
-    finally:
-        conn.close()
+    return server.post(path, body, headers, timeout=DEADLINE)
 
 
 def wait_for(condition, what: str, timeout: float = DEADLINE, every: float = 0.05):

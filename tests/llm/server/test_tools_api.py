@@ -59,18 +59,6 @@ def reference(tiny):
     return transformers.AutoTokenizer.from_pretrained(tiny)
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    with running_server(tiny, tmp_path_factory.mktemp("logs")) as s:
-        yield s
-        assert "Traceback" not in s.logs(), s.logs()
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=120)
-
-
 def hf_messages(messages):
     """The conversation in transformers' convention (arguments as dicts), from the client's objects."""
     out = []
