@@ -8,6 +8,7 @@ from .containers import Parallel
 from .conv import Conv1D, Conv2D, Conv3D, ConvTransposed1D, ConvTransposed2D, ConvTransposed3D
 from .dropout import Dropout
 from .embedding import Embedding
+from .fused_projections import FusedGateUpMLP, FusedQKVAttention, LongRoPE
 from .gated_deltanet import GatedDeltaCache, GatedDeltaNet
 from .ggml import GGMLEmbedding, GGMLLinear
 from .kmeans import KMeans
@@ -33,6 +34,7 @@ __all__ = [
     "Parallel", "Residual",
     "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss",
     "KVCache", "SelfAttention", "DecoderBlock", "TransformerBlock", "GatedDeltaCache", "GatedDeltaNet",
+    "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
     "GRU", "LSTM", "RNN", "KMeans", "Softmax", "AdaptiveSoftmax", "AdaptiveSoftmaxOutput",

@@ -217,12 +217,24 @@ class SelfAttention(Layer):
         k_pos = mx.arange(start, tk)[None, :]
         return k, v, k_pos > q_pos - w
 
-    def forward(self, device, data, cache=None):
-        d = data.dims
-        b, t, hd = d.D, d.H, self.head_dim
+    def _project(self, device, data):
+        """Queries, keys and values ``[B, T, rows]`` of ``data`` (a subclass with other projections
+        overrides this)."""
         q = self.compile_child(self.q_proj, device, data).array
         k = self.compile_child(self.k_proj, device, data).array
         v = self.compile_child(self.v_proj, device, data).array
+        return q, k, v
+
+    def _rotate(self, x, offset, device):
+        """RoPE of queries or keys ``[B, n, T, head_dim]`` whose first position is ``offset`` (an int, or
+        ``[B]`` per row; a subclass with another rotary scheme overrides this)."""
+        return F.rope(x, self.rope_dims or self.head_dim, self.rope_traditional, self.rope_base, self.rope_scale,
+                      offset, self._rope_freqs, device=device)
+
+    def forward(self, device, data, cache=None):
+        d = data.dims
+        b, t, hd = d.D, d.H, self.head_dim
+        q, k, v = self._project(device, data)
         gate = None
         if self.output_gate:
             qg = q.reshape(b, t, self.num_heads, 2 * hd)
@@ -235,11 +247,7 @@ class SelfAttention(Layer):
         v = split_heads(v, b, t, self.num_kv_heads, hd)
         offset = cache.positions if cache is not None else 0
         if self.use_rope:
-            rd = self.rope_dims or hd
-            q = F.rope(q, rd, self.rope_traditional, self.rope_base, self.rope_scale, offset, self._rope_freqs,
-                       device=device)
-            k = F.rope(k, rd, self.rope_traditional, self.rope_base, self.rope_scale, offset, self._rope_freqs,
-                       device=device)
+            q, k = self._rotate(q, offset, device), self._rotate(k, offset, device)
         mask = None
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ...errors import UnsupportedConfigError
+from ...layers.fused_projections import LongRoPE
 
 #: rope types `rope_options` implements (``rope_type`` / ``type`` of ``rope_scaling`` / ``rope_parameters``)
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -75,3 +76,48 @@ def llama3_rope_periods(dims: int, base: float, params: dict):
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     scaled = np.where(medium, smoothed, scaled).astype(np.float32)
     return (1.0 / scaled).astype(np.float32)
+
+
+#: ``rope_type`` names transformers' Phi-3 config reads as LongRoPE
+LONGROPE_TYPES = ("longrope", "su", "yarn")
+
+
+def longrope_options(head_dim: int, *, rope_theta: float, rope_scaling: dict | None, rope_parameters: dict | None,
+                     partial_rotary_factor: float, max_position_embeddings: int,
+                     original_max_position_embeddings: int) -> dict:
+    """`FusedQKVAttention` RoPE keywords for a Phi-3 config: `rope_options`' keywords, plus ``long_rope``
+    (a `metalnn.layers.LongRoPE`, or None when the config's rope type is not LongRoPE).
+
+    As transformers' Phi-3: ``su`` and ``yarn`` mean ``longrope``; the pretraining length is the
+    config's top-level ``original_max_position_embeddings``; the attention factor is the rope
+    parameters' ``attention_factor``, else ``sqrt(1 + log(s) / log(original))`` for
+    ``s = factor`` (or ``max_position_embeddings / original`` without one) above 1, else 1.
+
+    Raises:
+        UnsupportedConfigError: another rope type (`rope_options`), or short/long factors missing or
+            not one per rotated frequency.
+    """
+    params = dict(rope_parameters or {})
+    params.update(rope_scaling or {})
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in LONGROPE_TYPES:
+        return {**rope_options(head_dim, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                               rope_parameters=rope_parameters, partial_rotary_factor=partial_rotary_factor),
+                "long_rope": None}
+    theta = float(params.get("rope_theta", rope_theta))
+    dims = int(head_dim * float(params.get("partial_rotary_factor", partial_rotary_factor)))
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = params.get(key)
+        if not isinstance(value, (list, tuple)) or len(value) != dims // 2:
+            raise UnsupportedConfigError(f"rope_scaling.{key}: expected {dims // 2} numbers (one per frequency of "
+                                         f"{dims} rotated features), got {value!r}")
+        factors[key] = [float(v) for v in value]
+    original = int(original_max_position_embeddings)
+    scale = params.get("factor")
+    scale = float(scale) if scale is not None else max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    long_rope = LongRoPE(dims, theta, factors["short_factor"], factors["long_factor"], original, float(attention))
+    return {"rope_base": theta, "rope_scale": 1.0, "rope_freqs": None, "rope_dims": dims, "long_rope": long_rope}
