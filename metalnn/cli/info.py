@@ -54,6 +54,7 @@ def describe(path) -> dict:
     facts = {
         "model": str(path),
         "architecture": model.architecture,
+        "features": list(model.features),
         "layers": model.num_layers,
         "parameters": parameter_count(model),
         "dtype": ", ".join(floats) or None,
@@ -95,6 +96,7 @@ def format_facts(facts: dict) -> str:
     rows = [
         ("model", facts["model"]),
         ("architecture", facts["architecture"]),
+        *([("features", "; ".join(facts["features"]))] if facts.get("features") else []),
         ("layers", facts["layers"]),
         ("parameters", f"{facts['parameters'] / 1e6:,.1f} M ({facts['parameters']:,})"),
         ("weights", weights),

@@ -218,6 +218,11 @@ class CausalLM(Layer):
         return int(self.args.vocab_size)
 
     @property
+    def features(self) -> list:
+        """The architecture's special features as short phrases (`metalnn info` lists them; none here)."""
+        return []
+
+    @property
     def max_positions(self) -> int | None:
         """The hard limit of positions (learned position embeddings); None for rotary models."""
         return None
