@@ -21,7 +21,7 @@ from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
 from .softmax import Softmax
-from .transformer import DecoderBlock, TransformerBlock
+from .transformer import DecoderBlock, SandwichBlock, TransformerBlock
 
 __all__ = [
     "Layer", "Layers", "Sequential", "checkpoint_blocks",
@@ -32,7 +32,7 @@ __all__ = [
     "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",
     "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss",
-    "KVCache", "SelfAttention", "DecoderBlock", "TransformerBlock", "GatedDeltaCache", "GatedDeltaNet",
+    "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache", "GatedDeltaNet",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
     "GRU", "LSTM", "RNN", "KMeans", "Softmax", "AdaptiveSoftmax", "AdaptiveSoftmaxOutput",
