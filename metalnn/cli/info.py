@@ -1,4 +1,4 @@
-"""``metalnn info MODEL``: architecture, size, weights format, context length, tokenizer."""
+"""``metalnn info MODEL``: architecture and its features, size, weights format, context length, tokenizer."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ def describe(path) -> dict:
     facts = {
         "model": str(path),
         "architecture": model.architecture,
+        "features": list(model.features()),
         "layers": model.num_layers,
         "parameters": parameter_count(model),
         "dtype": ", ".join(floats) or None,
@@ -95,6 +96,7 @@ def format_facts(facts: dict) -> str:
     rows = [
         ("model", facts["model"]),
         ("architecture", facts["architecture"]),
+        ("features", "; ".join(facts["features"]) or "none"),
         ("layers", facts["layers"]),
         ("parameters", f"{facts['parameters'] / 1e6:,.1f} M ({facts['parameters']:,})"),
         ("weights", weights),

@@ -217,6 +217,11 @@ class CausalLM(Layer):
     def vocab_size(self) -> int:
         return int(self.args.vocab_size)
 
+    def features(self) -> list:
+        """What sets this model's architecture apart, one short phrase each (`metalnn info` lists
+        them); none by default."""
+        return []
+
     @property
     def logit_softcap(self) -> float | None:
         """Soft cap of the output logits (``cap * tanh(logits / cap)``, Gemma 2's

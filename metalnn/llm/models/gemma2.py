@@ -124,6 +124,20 @@ def gemma_stack(args, layers: list) -> DecoderStack:
                         embed_scale=math.sqrt(args.hidden_size))
 
 
+def gemma_features(args) -> list:
+    """The `CausalLM.features` Gemma 2 and 3 share: norms, embedding scale, MLP, windows, score scale,
+    final soft cap."""
+    sliding = [i for i, w in enumerate(args.windows) if w is not None]
+    out = ["norms before and after attention and MLP (gain 1 + weight)",
+           f"embedding scaled by sqrt({args.hidden_size})", f"GeGLU ({args.hidden_activation})",
+           f"scores scaled by query_pre_attn_scalar {args.query_pre_attn_scalar:g} ** -0.5"]
+    if sliding:
+        out.append(f"sliding window {args.sliding_window} on {len(sliding)} of {args.num_hidden_layers} layers")
+    if args.final_logit_softcapping is not None:
+        out.append(f"final logit soft cap {args.final_logit_softcapping:g}")
+    return out
+
+
 @register("Gemma2ForCausalLM", model_types=("gemma2",), gguf=Gemma2Converter)
 class Gemma2ForCausalLM(CausalLM):
     """Gemma 2 built from a Hugging Face ``Gemma2Config`` dict (`ModelArgs` lists the keys read).
@@ -147,3 +161,9 @@ class Gemma2ForCausalLM(CausalLM):
     @property
     def logit_softcap(self) -> float | None:
         return self.args.final_logit_softcapping
+
+    def features(self) -> list:
+        out = gemma_features(self.args)
+        if self.args.attn_logit_softcapping is not None:
+            out.append(f"attention soft cap {self.args.attn_logit_softcapping:g}")
+        return out

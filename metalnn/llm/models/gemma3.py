@@ -18,7 +18,7 @@ from ...layers.linear import Linear
 from ..gguf.converters.gemma3 import Gemma3Converter
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import SLIDING, check_layer_types
-from .gemma2 import check_positive, gate_activation, gemma_block, gemma_stack
+from .gemma2 import check_positive, gate_activation, gemma_block, gemma_features, gemma_stack
 from .registry import register
 from .rope import rope_options
 
@@ -123,3 +123,14 @@ class Gemma3ForCausalLM(CausalLM):
     @property
     def logit_softcap(self) -> float | None:
         return self.args.final_logit_softcapping
+
+    def features(self) -> list:
+        out = gemma_features(self.args) + ["q/k norms"]
+        kinds = {}
+        for window, rope in zip(self.args.windows, self.args.ropes):
+            kinds.setdefault("local" if window is not None else "global", rope)
+        for kind, rope in kinds.items():
+            scale = f", scale {rope['rope_scale']:g}" if rope["rope_scale"] != 1 else ""
+            scale += ", llama3 frequencies" if rope["rope_freqs"] is not None else ""
+            out.append(f"RoPE base {rope['rope_base']:g} on {kind} layers{scale}")
+        return out
