@@ -195,6 +195,22 @@ def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
+def test_bfloat16_is_as_close_as_transformers_bfloat16(name, checkpoints):
+    """Loaded in bfloat16, the logits stay as close to a float32 run on the bfloat16-rounded weights as
+    transformers' own bfloat16 run does (1.5x its error as margin for a different summation order)."""
+    _, _, folder = checkpoints[name]
+    toks = tokens(VOCAB, (2, 20), seed=9)
+    rounded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                                attn_implementation="eager").eval()
+    hf_bf16 = hf_logits(rounded, toks)
+    want = hf_logits(rounded.float(), toks)
+    model = load_pretrained(folder, dtype="bfloat16")
+    got = model(mx.array(toks))
+    assert got.dtype == mx.bfloat16 and model.model.layers[0].mlp.up_proj.weight.dtype == mx.bfloat16
+    assert max_error(got.astype(mx.float32), want) < 1.5 * max_error(hf_bf16, want)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_lora_on_every_projection_trains(name, checkpoints):
     _, _, folder = checkpoints[name]
     model = load_pretrained(folder)
