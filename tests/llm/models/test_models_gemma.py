@@ -3,9 +3,10 @@ continuous batching.
 
 Tiny random models (three layers: sliding-window, global, sliding-window; a 4-token window shorter than the
 prompts; ``query_pre_attn_scalar`` other than ``head_dim``; attention and final soft caps small enough to bite;
-Gemma 3 with its own RoPE base per layer type and linear scaling on the global layers, q/k norms and an untied
-head; the tied head in the GGUF files, which never hold one) are built with a fixed torch seed, their zero-centred gains and biases moved off their initial values,
-saved with save_pretrained and loaded with metalnn.llm.models.load_pretrained:
+Gemma 3 with its own RoPE base per layer type and linear scaling on the global layers and q/k norms; untied
+heads, as tiny tied models repeat one token; the GGUF files, which hold no head, test the tied one) are built with
+a fixed torch seed, their zero-centred gains and biases moved off their initial values, saved with save_pretrained
+and loaded with metalnn.llm.models.load_pretrained:
 
 * logits within 2e-4 (absolute; two float32 implementations of a 3-layer model whose logits are O(1) agree
   to ~1e-6, so 2e-4 leaves room for summation order only);
@@ -138,8 +139,8 @@ def test_layers_carry_the_configs_options(checkpoints):
     assert [b.self_attn.rope_base for b in d3.model.layers][4:6] == [10000.0, 1000000.0]
     assert d3.logit_softcap is None
     # older Gemma 3 configs: flat rope_theta / rope_scaling (global layers) and rope_local_base_freq
-    old = mn.models.from_config(dict(cfg, architectures=["Gemma3ForCausalLM"], rope_theta=2e5, rope_local_base_freq=50.0,
-                                     rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    old = mn.models.from_config(dict(cfg, architectures=["Gemma3ForCausalLM"], rope_theta=2e5,
+                                     rope_local_base_freq=50.0, rope_scaling={"rope_type": "linear", "factor": 8.0}))
     assert [(b.self_attn.rope_base, b.self_attn.rope_scale) for b in old.model.layers][4:6] == [(50.0, 1.0),
                                                                                                (2e5, 0.125)]
 
