@@ -1,4 +1,4 @@
-"""``metalnn info MODEL``: architecture, size, weights format, context length, tokenizer."""
+"""``metalnn info MODEL``: architecture and its features, size, weights format, context length, tokenizer."""
 
 from __future__ import annotations
 

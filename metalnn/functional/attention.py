@@ -41,11 +41,13 @@ def causal_mask(t_q: int, t_k: int, offset: int | None = None):
     return mx.arange(t_k)[None, :] <= q_pos
 
 
-def attention_reference(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None):
+def attention_reference(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None,
+                        softcap: float | None = None):
     """`attention` spelled out in plain MLX ops: ``softmax(q k^T * scale + mask) v`` in float32.
 
     k and v are repeated for grouped-query attention; the result is cast to ``q.dtype``. A query
-    row that sees no key gives NaN (softmax over an empty set).
+    row that sees no key gives NaN (softmax over an empty set). ``softcap``: the scaled scores
+    become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's logit soft-capping).
     """
     _check(q, k, v)
     if scale is None:
@@ -55,6 +57,8 @@ def attention_reference(q, k, v, scale: float | None = None, causal: bool = True
         k = mx.repeat(k, rep, axis=1)
         v = mx.repeat(v, rep, axis=1)
     s = (q.astype(mx.float32) * scale) @ k.astype(mx.float32).swapaxes(-1, -2)
+    if softcap is not None:
+        s = mx.tanh(s / softcap) * softcap
     if mask is not None:
         s = mx.where(mask, s, -mx.inf) if mask.dtype == mx.bool_ else s + mask.astype(mx.float32)
     if causal:
@@ -114,7 +118,8 @@ def _attention_mlx(q, k, v, scale, causal, mask, offset):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
 
 
-def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None, device=None):
+def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None, softcap=None,
+              device=None):
     """Multi-head scaled dot-product attention ``softmax(q k^T * scale [+ mask]) v``.
 
     Args:
@@ -148,6 +153,10 @@ def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=Non
       ``supports`` accepts (no mask array, ``head_dim <= 256``, non-empty); otherwise ``"auto"``.
     """
     device = resolve(device)
+    if softcap is not None:
+        if not softcap > 0:
+            raise ValueError(f"attention: softcap must be positive or None, got {softcap!r}")
+        return attention_reference(q, k, v, scale, causal, mask, offset, float(softcap))
     if device.kernels == "reference":
         return attention_reference(q, k, v, scale, causal, mask, offset)
     _check(q, k, v)

@@ -22,7 +22,7 @@ from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
 from .softmax import Softmax
-from .transformer import DecoderBlock, TransformerBlock
+from .transformer import DecoderBlock, SandwichBlock, TransformerBlock
 
 __all__ = [
     "Layer", "Layers", "Sequential", "checkpoint_blocks",
@@ -33,8 +33,8 @@ __all__ = [
     "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",
     "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss",
-    "KVCache", "SelfAttention", "DecoderBlock", "TransformerBlock", "GatedDeltaCache", "GatedDeltaNet",
-    "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE",
+    "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache",
+    "GatedDeltaNet", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
     "GRU", "LSTM", "RNN", "KMeans", "Softmax", "AdaptiveSoftmax", "AdaptiveSoftmaxOutput",

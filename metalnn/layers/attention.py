@@ -6,8 +6,9 @@ positions' keys and values are appended to it and the queries attend to everythi
 so each new token costs one projection of that token plus one pass over the cache (no recompute).
 
 Options used by the Llama relatives: per-head RMSNorm of queries and keys (Qwen3, Qwen3-Next,
-Qwen3.5), partial rotary dimensions (``rope_dims``), a sigmoid output gate produced by a doubled
-``q_proj`` (Qwen3-Next, Qwen3.5), and a sliding attention window (Mistral, Qwen2).
+Qwen3.5, Gemma 3), partial rotary dimensions (``rope_dims``), a sigmoid output gate produced by a doubled
+``q_proj`` (Qwen3-Next, Qwen3.5), a sliding attention window (Mistral, Qwen2, Gemma) and soft-capped
+attention scores (Gemma 2).
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class SelfAttention(Layer):
         sliding_window: each position attends only to the last ``sliding_window`` positions
             (itself included); None attends to all earlier positions.
         norm_eps, norm_offset: epsilon and gain offset of the q/k norms (see `RMSNorm`).
+        softcap: soft-cap the scaled scores to ``softcap * tanh(score / softcap)`` (Gemma 2's
+            ``attn_logit_softcapping``); None leaves them.
         init: initializer of the projections (default `Linear`'s).
         dtype: parameter dtype.
     """
@@ -157,7 +160,7 @@ class SelfAttention(Layer):
                  rope_base: float = 10000.0, rope_traditional: bool = False, rope_scale: float = 1.0, rope_freqs=None,
                  rope_dims: int | None = None, scale: float | None = None, qk_norm: bool = False,
                  output_gate: bool = False, sliding_window: int | None = None, norm_eps: float = 1e-6,
-                 norm_offset: float = 0.0, init=None, dtype=None):
+                 norm_offset: float = 0.0, softcap: float | None = None, init=None, dtype=None):
         super().__init__()
         self.num_heads = int(num_heads)
         self.num_kv_heads = int(num_kv_heads or num_heads)
@@ -182,6 +185,9 @@ class SelfAttention(Layer):
         self.sliding_window = None if sliding_window is None else int(sliding_window)
         self.norm_eps = float(norm_eps)
         self.norm_offset = float(norm_offset)
+        if softcap is not None and (isinstance(softcap, bool) or not float(softcap) > 0):
+            raise ValueError(f"SelfAttention: softcap must be a positive number or None, got {softcap!r}")
+        self.softcap = None if softcap is None else float(softcap)
         self._init, self._dtype = init, dtype
 
     def build(self, device, dims, dtype):
@@ -255,7 +261,7 @@ class SelfAttention(Layer):
             mask = cache.key_mask(t, self.sliding_window)
         if mask is None and self.sliding_window is not None:
             k, v, mask = self._window_mask(t, k, v)
-        o = F.attention(q, k, v, scale=self.scale, causal=self.causal, mask=mask, device=device)
+        o = F.attention(q, k, v, scale=self.scale, causal=self.causal, mask=mask, softcap=self.softcap, device=device)
         o = merge_heads(o, b, t)
         if gate is not None:
             o = o * F.activation(gate, "sigmoid", device=device)
@@ -266,5 +272,7 @@ class SelfAttention(Layer):
         extra = "".join(f", {k}=True" for k in ("qk_norm", "output_gate") if getattr(self, k))
         if self.sliding_window is not None:
             extra += f", sliding_window={self.sliding_window}"
+        if self.softcap is not None:
+            extra += f", softcap={self.softcap}"
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"rope={self.use_rope}" + extra)

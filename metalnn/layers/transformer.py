@@ -1,5 +1,6 @@
-"""Pre-norm decoder blocks: `DecoderBlock` (any token mixer and feed-forward) and `TransformerBlock`
-(the Llama block: RoPE attention and SwiGLU).
+"""Pre-norm decoder blocks: `DecoderBlock` (any token mixer and feed-forward), `TransformerBlock`
+(the Llama block: RoPE attention and SwiGLU) and `SandwichBlock` (Gemma's: norms before and after
+each branch).
 
 Parameter names follow Hugging Face, so a stack of blocks loads a checkpoint's
 ``model.layers.<i>.*`` tensors by name.
@@ -100,7 +101,8 @@ class DecoderBlock(Layer):
         layers are not of the form the fused step runs (RMSNorms, `SelfAttention` without an output
         gate, a gated `MLP` without active dropout; float32 or GGML projections, no adapters)."""
         attn, mlp = self[self.mixer_name], self["mlp"]
-        if type(attn) is not SelfAttention or attn.output_gate or not attn.causal or attn.head_dim is None:
+        if (type(attn) is not SelfAttention or attn.output_gate or not attn.causal or attn.head_dim is None
+                or attn.softcap is not None):
             return None
         if type(mlp) not in (MLP, SwiGLU) or not mlp.is_gated:
             return None
@@ -182,3 +184,46 @@ class TransformerBlock(DecoderBlock):
                              init=init, dtype=dtype)
         mlp = SwiGLU(mlp_dims, bias=mlp_bias, activation=activation, init=init, init_out=init, dtype=dtype)
         super().__init__(attn, mlp, eps=eps, dtype=dtype)
+
+
+class SandwichBlock(Layer):
+    """A decoder block with norms before and after each branch (Gemma 2 and 3)::
+
+        h   = x + post_attention_layernorm(self_attn(input_layernorm(x)))
+        out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+
+    Input and output dims ``(W=dims, H=positions, D=batch)``; a plain array ``[B, T, dims]``.
+    ``cache=`` (a `KVCache`) is passed to the attention. The fused decoding step of `DecoderBlock`
+    does not run it (its norms around the branches' outputs are no part of that step).
+
+    Args:
+        attn: the token mixer (``self_attn``, a `SelfAttention`).
+        mlp: the position-wise layer (``mlp``, a gated `MLP`).
+        eps: RMSNorm epsilon of the four norms.
+        norm_offset: gain offset of the four norms (1 for Gemma's ``1 + weight``; see `RMSNorm`).
+        dtype: dtype of the norm weights.
+    """
+
+    fixed_axes = ("W",)
+    is_block = True
+    positional_hint = "{cls}(attn, mlp, eps=..., norm_offset=...)"
+
+    def __init__(self, attn: Layer, mlp: Layer, *, eps: float = 1e-6, norm_offset: float = 0.0, dtype=None):
+        super().__init__()
+        kw = dict(eps=eps, offset=norm_offset, dtype=dtype)
+        self.input_layernorm = RMSNorm(**kw)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(**kw)
+        self.pre_feedforward_layernorm = RMSNorm(**kw)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = RMSNorm(**kw)
+
+    def forward(self, device, data, cache=None):
+        h = self.compile_child(self.input_layernorm, device, data)
+        h = self.compile_child(self.self_attn, device, h, cache=cache)
+        h = self.compile_child(self.post_attention_layernorm, device, h)
+        x = data.array + h.array
+        h = self.compile_child(self.pre_feedforward_layernorm, device, Data(x, data.dims))
+        h = self.compile_child(self.mlp, device, h)
+        h = self.compile_child(self.post_feedforward_layernorm, device, h)
+        return Data(x + h.array, data.dims)

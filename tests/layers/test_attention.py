@@ -216,3 +216,70 @@ def test_transformer_block_trains(device):
         opt.update(block, grads)
         mx.eval(block.parameters(), opt.state)
     assert float(loss) < 0.7 * float(first)
+
+
+def test_softcapped_attention_matches_numpy(device):
+    """Gemma 2's soft cap: scores ``cap * tanh(s / cap)`` before the mask; gradients agree with torch."""
+    rng = np.random.default_rng(12)
+    q, k, v = _qkv(rng, 2, 4, 2, 9, 9, 16)
+    q *= 3.0  # scores of several units: the cap of 2 bites
+    mask = rng.random((2, 1, 9, 9)) > 0.3
+    mask[..., 0] = True
+
+    def capped(q, k, v, scale, causal, mask=None):
+        q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+        k64, v64 = np.repeat(k64, 2, axis=1), np.repeat(v64, 2, axis=1)
+        s = np.tanh(q64 @ k64.swapaxes(-1, -2) * scale / 2.0) * 2.0
+        allowed = np.tril(np.ones((9, 9), bool)) if causal else np.ones((9, 9), bool)
+        s = np.where(allowed & (True if mask is None else mask), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return (p / p.sum(-1, keepdims=True)) @ v64
+
+    for causal, m in ((True, None), (False, mask)):
+        out = F.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, causal=causal,
+                          mask=None if m is None else mx.array(m), softcap=2.0, device=device)
+        np.testing.assert_allclose(np.array(out), capped(q, k, v, 0.25, causal, m), atol=ATOL, rtol=RTOL)
+    uncapped = F.attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, device=device)
+    assert np.abs(np.array(uncapped) - capped(q, k, v, 0.25, True)).max() > 1e-2  # the cap matters here
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    s = torch.tanh(tq @ torch.repeat_interleave(tk, 2, 1).transpose(-1, -2) * 0.25 / 2.0) * 2.0
+    s = s.masked_fill(~torch.tril(torch.ones(9, 9, dtype=torch.bool)), float("-inf"))
+    (torch.softmax(s, -1) @ torch.repeat_interleave(tv, 2, 1)).square().sum().backward()
+    grads = mx.grad(lambda a, b, c: mx.sum(F.attention(a, b, c, scale=0.25, softcap=2.0, device=device) ** 2),
+                    argnums=(0, 1, 2))(mx.array(q), mx.array(k), mx.array(v))
+    for got, want in zip(grads, (tq.grad, tk.grad, tv.grad)):
+        np.testing.assert_allclose(np.array(got), want.numpy(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        F.attention(mx.array(q), mx.array(k), mx.array(v), softcap=0.0, device=device)
+
+
+def test_sandwich_block_caches_and_declines_the_fused_step(device):
+    """`SandwichBlock`: norms around both branches' outputs (zero-centred gains), decoding through a
+    `KVCache` gives the full pass's outputs; a block with soft-capped attention is not planned for the
+    fused decoding step."""
+    rng = np.random.default_rng(13)
+    x = mx.array(rng.standard_normal((2, 7, 32)).astype(np.float32))
+    attn = mn.SelfAttention(4, num_kv_heads=2, head_dim=16, softcap=5.0, sliding_window=3, qk_norm=True,
+                            norm_offset=1.0)
+    block = mn.SandwichBlock(attn, mn.SwiGLU(48, activation="gelu_tanh"), eps=1e-6, norm_offset=1.0)
+    block.compile(device, mn.Data(x))  # builds the layers
+    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        norm = block[name]
+        assert norm.offset == 1.0 and float(mx.abs(norm.weight).max()) == 0.0  # gain 1 + 0
+        norm.weight = mx.array(rng.uniform(-0.5, 0.5, 32).astype(np.float32))
+    full = block.compile(device, mn.Data(x)).array
+    h = x + block.post_attention_layernorm(block.self_attn(block.input_layernorm(x, device=device), device=device),
+                                           device=device)
+    want = h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h, device=device),
+                                                          device=device), device=device)
+    np.testing.assert_allclose(np.array(full), np.array(want), atol=1e-5)
+    cache = mn.KVCache()
+    steps = [block.compile(device, mn.Data(x[:, :4]), cache=cache).array]
+    steps += [block.compile(device, mn.Data(x[:, i:i + 1]), cache=cache).array for i in range(4, 7)]
+    np.testing.assert_allclose(np.array(mx.concatenate(steps, axis=1)), np.array(full), atol=1e-5)
+    capped = mn.DecoderBlock(mn.SelfAttention(4, head_dim=8, softcap=5.0), mn.SwiGLU(48))
+    plain = mn.DecoderBlock(mn.SelfAttention(4, head_dim=8), mn.SwiGLU(48))
+    for b in (capped, plain):
+        b.compile(device, mn.Data(x))
+    assert capped._step_plan() is None and plain._step_plan() is not None

@@ -131,6 +131,8 @@ MLX_NN_STYLE = [
     (lambda: mn.TransformerBlock(4, 64, 2), "TransformerBlock", (2,), "TransformerBlock(4, 64, num_kv_heads=...)"),
     (lambda: mn.DecoderBlock(mn.Identity(), mn.Identity(), "mixer"), "DecoderBlock", ("mixer",),
      "DecoderBlock(mixer, mlp, mixer_name=..., eps=...)"),
+    (lambda: mn.SandwichBlock(mn.Identity(), mn.Identity(), 1e-6), "SandwichBlock", (1e-6,),
+     "SandwichBlock(attn, mlp, eps=..., norm_offset=...)"),
 ]
 
 

@@ -14,7 +14,7 @@ from metalnn.llm.models import load_pretrained
 transformers.logging.set_verbosity_error()
 
 #: transformers' zero-centred RMSNorm classes (gain 1 + weight)
-ZERO_CENTRED = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm")
+ZERO_CENTRED = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 
 
 def hf_model(config_cls, model_cls, seed=0, **config):

@@ -6,15 +6,16 @@
 >>> model.save_pretrained("out/")                                   # transformers can load it
 
 One architecture a module (``llama``, ``gpt2``, ``qwen2``, ``qwen3``, ``mistral``, ``qwen3_next``,
-``qwen3_5``, ``phi3``), each a typed ``ModelArgs`` dataclass and a `CausalLM` subclass built from shared blocks
+``qwen3_5``, ``phi3``, ``gemma2``, ``gemma3``), each a typed ``ModelArgs`` dataclass and a `CausalLM` subclass built from shared blocks
 (`metalnn.layers`, `decoder`, `hybrid`, `rope`, `experts`) that registers itself in `ARCHITECTURES`
 (`registry`: keyed by Hugging Face architecture, ``model_type`` and GGUF architecture). Checkpoints:
 Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) and Hub names
 (``"org/name"``); see `loading`.
 
 Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3NextForCausalLM`` and
-``Qwen3_5ForCausalLM`` (also the text model of a ``Qwen3_5ForConditionalGeneration`` folder).
+``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3NextForCausalLM``,
+``Qwen3_5ForCausalLM`` (also the text model of a ``Qwen3_5ForConditionalGeneration`` folder),
+``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from ...errors import UnsupportedConfigError
 from .. import gguf
 from ..tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from .base import BaseModelArgs, CausalLM
+from .gemma2 import Gemma2ForCausalLM
+from .gemma3 import Gemma3ForCausalLM
 from .gpt2 import GPT2LMHeadModel
 from .llama import LlamaForCausalLM, llama_config
 from .loading import from_config, load_pretrained, read_config, read_gguf
@@ -34,7 +37,8 @@ from .qwen3_5 import Qwen3_5ForCausalLM
 from .qwen3_next import Qwen3NextForCausalLM
 from .registry import ARCHITECTURES, model_class, register
 
-__all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM",
-           "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Tokenizer",
+__all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
+           "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+           "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Tokenizer",
            "UnsupportedConfigError", "char_tokenizer", "from_config", "gguf", "llama_config", "load_pretrained",
            "load_tokenizer", "model_class", "read_config", "read_gguf", "register"]

@@ -218,6 +218,12 @@ class CausalLM(Layer):
         return int(self.args.vocab_size)
 
     @property
+    def logit_softcap(self) -> float | None:
+        """Soft cap of the output logits (``cap * tanh(logits / cap)``, Gemma 2's
+        ``final_logit_softcapping``); None (the default) leaves them."""
+        return None
+
+    @property
     def features(self) -> list:
         """The architecture's special features as short phrases (`metalnn info` lists them; none here)."""
         return []
@@ -286,9 +292,13 @@ class CausalLM(Layer):
         self._check_positions(cache, t)
         h = self.compile_child(self.backbone, device, Data(ids), cache=cache)
         if self.tie_word_embeddings:
-            logits = self.input_embeddings.as_linear(h.array, device=device)
-            return Data(logits, MTLSize(self.vocab_size, t, b))
-        return self.compile_child(self.lm_head, device, h)
+            logits = Data(self.input_embeddings.as_linear(h.array, device=device), MTLSize(self.vocab_size, t, b))
+        else:
+            logits = self.compile_child(self.lm_head, device, h)
+        cap = self.logit_softcap
+        if cap is None:
+            return logits
+        return Data(mx.tanh(logits.array / cap) * cap, logits.dims)
 
     def _token_batch(self, data: Data):
         """Token ids ``[B, T]`` from input `Data` (``(W=T, H=1, D=B)``, or ``(W=T, H=B, D=1)``)."""

@@ -1,11 +1,14 @@
-"""Shared pieces of the RMSNorm decoder families (Llama, Mistral, Qwen2, Qwen3, Qwen3-Next, Qwen3.5):
+"""Shared pieces of the RMSNorm decoder families (Llama, Mistral, Qwen2, Qwen3, Qwen3-Next, Qwen3.5, Gemma):
 the `DecoderStack` (embedding, blocks, final norm: the ``model.*`` of their checkpoints) and the
 per-layer plans their configs describe (`check_layer_types`, `sliding_windows`).
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from ... import init as initializers
+from ...data import Data
 from ...errors import UnsupportedConfigError
 from ...layers.base import Layer
 from ...layers.embedding import Embedding
@@ -29,17 +32,22 @@ class DecoderStack(Layer):
         eps: epsilon of the final RMSNorm.
         init_std: std of the embedding initialisation.
         norm_offset: gain offset of the final RMSNorm (1 for zero-centred gains; see `RMSNorm`).
+        embed_scale: multiplies the embedded tokens (Gemma's ``sqrt(hidden_size)``), rounded to the
+            table's dtype first as transformers does; None: no scaling.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: list, *, eps: float, init_std: float = 0.02,
-                 norm_offset: float = 0.0):
+                 norm_offset: float = 0.0, embed_scale: float | None = None):
         super().__init__()
+        self.embed_scale = None if embed_scale is None else float(embed_scale)
         self.embed_tokens = Embedding(vocab_size, hidden_size, init=initializers.Normal(init_std))
         self.layers = list(layers)
         self.norm = RMSNorm(hidden_size, eps=eps, offset=norm_offset)
 
     def forward(self, device, data, cache=None):
         h = self.compile_child(self.embed_tokens, device, data)
+        if self.embed_scale is not None:
+            h = Data(h.array * mx.array(self.embed_scale, dtype=h.array.dtype), h.dims)
         for i, layer in enumerate(self.layers):
             h = self.compile_child(layer, device, h, cache=cache[i] if cache is not None else None)
         return self.compile_child(self.norm, device, h)

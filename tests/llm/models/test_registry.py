@@ -8,7 +8,8 @@ import pytest
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.models import (ARCHITECTURES, CausalLM, gpt2, llama, mistral, phi3, qwen2, qwen3, qwen3_5,
+from metalnn.llm.models import (ARCHITECTURES, CausalLM, gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3,
+                                qwen3_5,
                                 qwen3_next)
 from metalnn.llm.models.registry import Registry, register
 
@@ -34,16 +35,19 @@ def test_one_registry_keyed_three_ways():
              "MistralForCausalLM": mn.models.MistralForCausalLM, "Phi3ForCausalLM": mn.models.Phi3ForCausalLM,
              "Qwen3NextForCausalLM": mn.models.Qwen3NextForCausalLM,
              "Qwen3_5ForCausalLM": mn.models.Qwen3_5ForCausalLM,
-             "Qwen3_5ForConditionalGeneration": mn.models.Qwen3_5ForCausalLM}
+             "Qwen3_5ForConditionalGeneration": mn.models.Qwen3_5ForCausalLM,
+             "Gemma2ForCausalLM": mn.models.Gemma2ForCausalLM, "Gemma3ForCausalLM": mn.models.Gemma3ForCausalLM}
     assert dict(ARCHITECTURES) == names
     types = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-             "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM"}
+             "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
+             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
     for model_type, name in types.items():
         assert ARCHITECTURES.for_model_type(model_type).model is names[name]
         assert mn.models.model_class({"model_type": model_type}) is names[name]
     ggufs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-             "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM"}
+             "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
+             "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     assert set(ARCHITECTURES.gguf_converters()) == set(ggufs)
     for arch, name in ggufs.items():
         entry = ARCHITECTURES.for_gguf(arch)
@@ -84,7 +88,7 @@ def test_register_refuses_a_taken_key_and_a_class_without_model_args():
     assert list(registry) == ["FooForCausalLM"]
 
 
-@pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5, phi3])
+@pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5, phi3, gemma2, gemma3])
 def test_model_args_ignore_unknown_keys_and_name_missing_ones(module):
     required = [f.name for f in dataclasses.fields(module.ModelArgs)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
