@@ -41,9 +41,12 @@ def layer_plan(num_hidden_layers: int, *, no_rope_layers: list | None, no_rope_l
 
     Raises:
         UnsupportedConfigError: ``no_rope_layers`` shorter than the layers or with entries other than
-            0 / 1, a non-positive interval, unknown ``layer_types``, or sliding layers without a window.
+            0 / 1, a non-positive interval or window, unknown ``layer_types``, or sliding layers without
+            a window.
     """
     n = num_hidden_layers
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) <= 0):
+        refuse("sliding_window", sliding_window, "a positive integer or null")
     if no_rope_layers is None:
         if isinstance(no_rope_layer_interval, bool) or int(no_rope_layer_interval) <= 0:
             refuse("no_rope_layer_interval", no_rope_layer_interval, "a positive integer")
