@@ -19,7 +19,9 @@ largest entry (float32 backward); greedy tokens identical for 24 tokens, batch 1
 
 GGUF: llama.cpp's ``smollm3`` files (``convert_hf_to_gguf.py``'s ``SmolLM3Model``, a ``LlamaModel``:
 the Llama Q/K row permutation, no per-layer metadata; its graph skips RoPE on every 4th layer and has
-no window). `write_gguf` writes them with gguf-py the converter's way, so the models there use
+no window). `write_gguf` writes them with gguf-py the converter's way (checked against
+``convert_hf_to_gguf.py`` itself on the ``GGUF_CONFIG`` model: the same ``smollm3.*`` keys and
+byte-identical tensors for ``--outtype f32`` and ``q8_0``), so the models there use
 ``no_rope_layer_interval`` 4. The Q8_0 file is compared with transformers holding the same Q8_0
 values (each quantized matrix replaced by its quantize-dequantize round trip, a fixed point, so
 both sides hold identical weights and 2e-4 holds again).
