@@ -1,5 +1,4 @@
-"""``metalnn info MODEL``: architecture, size, weights format, context length, tokenizer, the
-architecture's special layer features (`CausalLM.features`)."""
+"""``metalnn info MODEL``: architecture, size, weights format, context length, tokenizer."""
 
 from __future__ import annotations
 
@@ -65,7 +64,6 @@ def describe(path) -> dict:
         "tokenizer": False,
         "chat_template": False,
         "eos_tokens": [],
-        "features": model.features(),
     }
     q = config_of(model)
     if q is not None:
@@ -108,7 +106,6 @@ def format_facts(facts: dict) -> str:
          else ("yes" if facts["tokenizer"] else "no")),
         ("chat template", "yes" if facts["chat_template"] else "no"),
     ]
-    rows += [("features", "; ".join(facts["features"]))] if facts.get("features") else []
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

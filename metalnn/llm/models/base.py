@@ -236,11 +236,6 @@ class CausalLM(Layer):
             limit = getattr(self.args, "max_position_embeddings", None)
         return int(limit) if limit else None
 
-    def features(self) -> list:
-        """What sets the architecture's layers apart from a plain Llama stack, one short phrase each
-        (``metalnn info`` lists them); none here, an architecture with such features overrides it."""
-        return []
-
     def make_cache(self) -> list:
         """One empty `KVCache` per decoder layer."""
         return [KVCache() for _ in range(self.num_layers)]

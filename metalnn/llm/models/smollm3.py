@@ -152,6 +152,7 @@ class SmolLM3ForCausalLM(CausalLM):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.vocab_size, bias=False, init=init)
 
+    @property
     def features(self) -> list:
         """What sets the model apart from a Llama, one phrase each (shown by ``metalnn info``)."""
         out = []

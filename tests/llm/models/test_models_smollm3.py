@@ -224,7 +224,7 @@ def test_info_names_the_nope_and_window_layers(checkpoints):
     result = metalnn_cmd("info", folder)
     assert result.returncode == 0, result.stderr
     assert re.search(r"architecture\s+SmolLM3ForCausalLM", result.stdout)
-    assert re.search(r"features\s+no RoPE \(NoPE\) on layers 1, 3 of 4; sliding window 4 on layers 1, 3\n?$",
+    assert re.search(r"features\s+no RoPE \(NoPE\) on layers 1, 3 of 4; sliding window 4 on layers 1, 3\n",
                      result.stdout), result.stdout
     facts = json.loads(metalnn_cmd("info", folder, "--json").stdout)
     assert facts["features"] == ["no RoPE (NoPE) on layers 1, 3 of 4", "sliding window 4 on layers 1, 3"]
