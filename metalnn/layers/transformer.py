@@ -164,7 +164,8 @@ class TransformerBlock(DecoderBlock):
             on o_proj (Qwen2 has q/k/v biases only).
         mlp_bias: biases on the SwiGLU projections.
         activation: SwiGLU gate activation (``silu``).
-        causal, rope_base, rope_traditional, rope_scale, rope_freqs, rope_dims: see `SelfAttention`.
+        causal, rope, rope_base, rope_traditional, rope_scale, rope_freqs, rope_dims: see `SelfAttention`
+            (``rope=False``: a block without position embeddings, as SmolLM3's NoPE layers).
         qk_norm, sliding_window: see `SelfAttention` (Qwen3's q/k norms, Mistral's window).
         init, dtype: initializer and dtype of the projections.
     """
@@ -174,11 +175,11 @@ class TransformerBlock(DecoderBlock):
     def __init__(self, num_heads: int, mlp_dims: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, eps: float = 1e-5, attention_bias: bool = False,
                  attention_out_bias: bool | None = None, mlp_bias: bool = False, activation: str = "silu",
-                 causal: bool = True, rope_base: float = 10000.0, rope_traditional: bool = False,
+                 causal: bool = True, rope: bool = True, rope_base: float = 10000.0, rope_traditional: bool = False,
                  rope_scale: float = 1.0, rope_freqs=None, rope_dims: int | None = None, qk_norm: bool = False,
                  sliding_window: int | None = None, init=None, dtype=None):
         attn = SelfAttention(num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=attention_bias,
-                             out_bias=attention_out_bias, causal=causal, rope_base=rope_base,
+                             out_bias=attention_out_bias, causal=causal, rope=rope, rope_base=rope_base,
                              rope_traditional=rope_traditional, rope_scale=rope_scale, rope_freqs=rope_freqs,
                              rope_dims=rope_dims, qk_norm=qk_norm, sliding_window=sliding_window, norm_eps=eps,
                              init=init, dtype=dtype)

@@ -2,7 +2,7 @@
 decoding one position on the CPU) against transformers and against the op-by-op block.
 
 Oracles: transformers' logits of the whole sequence without a cache (float32 models of each block
-variant the step runs: GQA, q/k/v biases, q/k norms, sliding windows, Llama 3 RoPE frequencies;
+variant the step runs: GQA, q/k/v biases, q/k norms, sliding windows, Llama 3 RoPE frequencies, no RoPE;
 partial and interleaved RoPE, GeGLU and output biases on a block built directly), and for GGML-packed weights the same model run op by op on the ``"reference"`` device
 (weights decoded by the MLX decoders, products in MLX).
 
@@ -51,6 +51,9 @@ VARIANTS = {
     "qwen2_biases": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3_qk_norm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=16)),
     "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=3)),
+    # layer 1 without RoPE (rope_dims 0 in the step) and with a 3-token window
+    "smollm3_nope": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, dict(
+        no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=3)),
 }
 
 

@@ -125,8 +125,9 @@ def test_attention_shape_errors(device):
         F.attention(q[0], q[0], q[0], device=device)
 
 
-def _torch_self_attention(x, p, n_heads, n_kv, hd, base):
-    """Llama attention spelled out in torch (rotate-half RoPE, GQA by repeat_interleave)."""
+def _torch_self_attention(x, p, n_heads, n_kv, hd, base, rope=True):
+    """Llama attention spelled out in torch (rotate-half RoPE unless ``rope`` is False, GQA by
+    repeat_interleave)."""
     b, t, _ = x.shape
     q = (x @ p["q_proj.weight"].T).view(b, t, n_heads, hd).transpose(1, 2)
     k = (x @ p["k_proj.weight"].T).view(b, t, n_kv, hd).transpose(1, 2)
@@ -139,7 +140,8 @@ def _torch_self_attention(x, p, n_heads, n_kv, hd, base):
         a1, a2 = a[..., :hd // 2], a[..., hd // 2:]
         return a * cos + torch.cat([-a2, a1], -1) * sin
 
-    q, k = rot(q), rot(k)
+    if rope:
+        q, k = rot(q), rot(k)
     k = k.repeat_interleave(n_heads // n_kv, dim=1)
     v = v.repeat_interleave(n_heads // n_kv, dim=1)
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -157,6 +159,28 @@ def test_self_attention_layer_matches_torch(n_kv, device):
     assert params["k_proj.weight"].shape == (n_kv * 8, 32)
     ref = _torch_self_attention(torch.tensor(x), params, 4, n_kv, 8, 1000.0)
     np.testing.assert_allclose(np.array(out.array), ref.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_transformer_block_without_rope(device):
+    """``TransformerBlock(rope=False)`` (SmolLM3's NoPE layers): attention without position
+    embeddings, as the torch reference without its rotation; cached decoding equals the full pass."""
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2, 9, 32)).astype(np.float32)
+    block = mn.TransformerBlock(4, 48, num_kv_heads=2, rope=False)
+    full = block.compile(device, mn.Data(mx.array(x))).array
+    attn = block.self_attn
+    assert not attn.use_rope
+    params = {k: torch.tensor(np.array(v)) for k, v in attn.for_update().items()}
+    n1 = np.array(block.input_layernorm.compile(device, mn.Data(mx.array(x))).array)
+    ref = _torch_self_attention(torch.tensor(n1), params, 4, 2, 8, 10000.0, rope=False)
+    np.testing.assert_allclose(np.array(attn.compile(device, mn.Data(mx.array(n1))).array), ref.numpy(), atol=1e-5,
+                               rtol=1e-5)
+    rotated = _torch_self_attention(torch.tensor(n1), params, 4, 2, 8, 10000.0)
+    assert np.abs(rotated.numpy() - ref.numpy()).max() > 1e-3  # (RoPE would have changed it)
+    cache = mn.KVCache()
+    parts = [block.compile(device, mn.Data(mx.array(x[:, :5])), cache=cache).array]
+    parts += [block.compile(device, mn.Data(mx.array(x[:, i:i + 1])), cache=cache).array for i in range(5, 9)]
+    np.testing.assert_allclose(np.array(mx.concatenate(parts, axis=1)), np.array(full), atol=1e-5, rtol=1e-5)
 
 
 def test_self_attention_kv_cache_equals_full(device):

@@ -6,16 +6,16 @@
 >>> model.save_pretrained("out/")                                   # transformers can load it
 
 One architecture a module (``llama``, ``gpt2``, ``qwen2``, ``qwen3``, ``mistral``, ``qwen3_next``,
-``qwen3_5``, ``phi3``, ``gemma2``, ``gemma3``), each a typed ``ModelArgs`` dataclass and a `CausalLM` subclass built from shared blocks
-(`metalnn.layers`, `decoder`, `hybrid`, `rope`, `experts`) that registers itself in `ARCHITECTURES`
-(`registry`: keyed by Hugging Face architecture, ``model_type`` and GGUF architecture). Checkpoints:
+``qwen3_5``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
+subclass built from shared blocks (`metalnn.layers`, `decoder`, `hybrid`, `rope`, `experts`) that registers itself
+in `ARCHITECTURES` (`registry`: keyed by Hugging Face architecture, ``model_type`` and GGUF architecture). Checkpoints:
 Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) and Hub names
 (``"org/name"``); see `loading`.
 
 Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3NextForCausalLM``,
 ``Qwen3_5ForCausalLM`` (also the text model of a ``Qwen3_5ForConditionalGeneration`` folder),
-``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM``.
+``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and ``SmolLM3ForCausalLM``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from .qwen3 import Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5ForCausalLM
 from .qwen3_next import Qwen3NextForCausalLM
 from .registry import ARCHITECTURES, model_class, register
+from .smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
            "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-           "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Tokenizer",
+           "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "SmolLM3ForCausalLM", "Tokenizer",
            "UnsupportedConfigError", "char_tokenizer", "from_config", "gguf", "llama_config", "load_pretrained",
            "load_tokenizer", "model_class", "read_config", "read_gguf", "register"]
