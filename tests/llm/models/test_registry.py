@@ -8,8 +8,8 @@ import pytest
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.models import (ARCHITECTURES, CausalLM, gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3,
-                                qwen3_5, qwen3_next, smollm3)
+from metalnn.llm.models import (ARCHITECTURES, CausalLM, gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, qwen2,
+                                qwen3, qwen3_5, qwen3_next, smollm3)
 from metalnn.llm.models.registry import Registry, register
 
 LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -36,12 +36,13 @@ def test_one_registry_keyed_three_ways():
              "Qwen3_5ForCausalLM": mn.models.Qwen3_5ForCausalLM,
              "Qwen3_5ForConditionalGeneration": mn.models.Qwen3_5ForCausalLM,
              "Gemma2ForCausalLM": mn.models.Gemma2ForCausalLM, "Gemma3ForCausalLM": mn.models.Gemma3ForCausalLM,
-             "SmolLM3ForCausalLM": mn.models.SmolLM3ForCausalLM}
+             "SmolLM3ForCausalLM": mn.models.SmolLM3ForCausalLM, "MixtralForCausalLM": mn.models.MixtralForCausalLM}
     assert dict(ARCHITECTURES) == names
     types = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
              "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
-             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+             "mixtral": "MixtralForCausalLM"}
     for model_type, name in types.items():
         assert ARCHITECTURES.for_model_type(model_type).model is names[name]
         assert mn.models.model_class({"model_type": model_type}) is names[name]
@@ -89,7 +90,7 @@ def test_register_refuses_a_taken_key_and_a_class_without_model_args():
 
 
 @pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5, phi3, gemma2, gemma3,
-                                    smollm3])
+                                    smollm3, mixtral])
 def test_model_args_ignore_unknown_keys_and_name_missing_ones(module):
     required = [f.name for f in dataclasses.fields(module.ModelArgs)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -131,6 +132,9 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
     (qwen3_next, "decoder_sparse_step", 0, "decoder_sparse_step = 0 is not supported (supported: a positive"),
     (qwen3_5, "layer_types", None, "full_attention_interval = 0 is not supported (supported: a positive"),
     (smollm3, "no_rope_layers", [1, -1], "no_rope_layers[1] = -1 is not supported (supported: 1 (RoPE), 0 (no RoPE))"),
+    (mixtral, "num_experts_per_tok", 9,
+     "num_experts_per_tok = 9 is not supported (supported: an integer in [1, num_local_experts=8])"),
+    (mixtral, "router_jitter_noise", 0.1, "router_jitter_noise = 0.1 is not supported (supported: 0 (router noise"),
     (smollm3, "sliding_window", 0, "sliding_window = 0 is not supported (supported: a positive integer or null)"),
 ])
 def test_unsupported_values_name_the_field_the_value_and_what_is_supported(module, key, value, words):

@@ -1,0 +1,310 @@
+"""Mixtral (Mistral attention + top-k routed experts) against transformers.
+
+Tiny random models (4 experts, 2 per token, GQA; one with a sliding window shorter than the prompts)
+have their RMSNorm gains moved off 1, are saved with save_pretrained (checkpoint layout
+``block_sparse_moe.experts.<e>.w1/w2/w3``) and loaded with metalnn.
+
+Tolerances: logits 2e-4 absolute (two float32 implementations of a two-layer model whose logits are
+O(1) agree to ~1e-5: room for summation order only); loss and gradients 1e-3 relative to the largest
+entry of each gradient (float32 backward); the aux loss 1e-5 relative (one float32 reduction).
+Greedy tokens identical for 22 tokens, batch 1 and 3 and through `BatchGenerator` rows.
+
+GGUF: llama.cpp writes Mixtral as ``llama`` (``LlamaModel``: Q/K rows permuted, the experts of a
+layer stacked as ``ffn_{gate,up,down}_exps``, the router as ``ffn_gate_inp``, ``expert_count`` /
+``expert_used_count`` metadata). `write_gguf` writes such files with gguf-py the converter's way
+(checked against ``convert_hf_to_gguf.py`` itself on a 64-wide model with --outtype f32 and q8_0:
+the same keys and tensor names; both files gave transformers' logits within 1e-5, the Q8_0 one
+against transformers holding the Q8_0 round trip of the quantized matrices). The Q8_0 file is
+compared the same way here, so 2e-4 holds again.
+"""
+
+import json
+import os
+import re
+
+import gguf
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+import metalnn as mn
+from metalnn.errors import WeightLoadError
+from metalnn.llm.batching import BatchGenerator
+from metalnn.llm.models import load_pretrained
+
+from commands import metalnn_cmd
+from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
+                       relative_error, save_and_load, tokens)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LOGITS_TOL = 2e-4
+GRAD_TOL = 1e-3
+VOCAB = 96
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2,
+            max_position_embeddings=256)
+CONFIGS = {"full": BASE, "window": dict(BASE, sliding_window=5)}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate")
+
+
+def mixtral(seed=0, **config):
+    return hf_model(transformers.MixtralConfig, transformers.MixtralForCausalLM, seed=seed, **config)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: (transformers model, metalnn model, folder)}."""
+    out = {}
+    for name, cfg in CONFIGS.items():
+        hf = mixtral(**cfg)
+        folder = tmp_path_factory.mktemp(name)
+        out[name] = (hf, save_and_load(hf, folder), folder)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(name, checkpoints):
+    hf, model, _ = checkpoints[name]
+    assert type(model) is mn.models.MixtralForCausalLM
+    moe = model.model.layers[0].mlp
+    assert type(moe).__name__ == "SparseMoE" and (moe.num_experts, moe.top_k) == (4, 2) and "shared_expert" not in moe
+    assert model.model.layers[0].self_attn.sliding_window == CONFIGS[name].get("sliding_window")
+    toks = tokens(VOCAB, (2, 20), seed=1)
+    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
+    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+
+
+def test_checkpoints_hold_experts_per_expert(checkpoints):
+    from safetensors.numpy import load_file
+
+    _, _, folder = checkpoints["full"]
+    keys = set(load_file(folder / "model.safetensors"))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in keys
+    assert "model.layers.0.block_sparse_moe.gate.weight" in keys
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generation_matches_transformers(name, checkpoints):
+    hf, model, _ = checkpoints[name]
+    prompt = tokens(VOCAB, (3, 9), seed=2)
+    want = hf_greedy(hf, prompt, 22)
+    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
+    assert mn.generate(model, prompt[0].tolist(), 22) == want[0].tolist()
+    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 22)), want)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
+    """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
+    tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
+    hf, model, _ = checkpoints[name]
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
+    limits = [20, 9, 14, 21]
+    gen = BatchGenerator(model, prefill_chunk=4)
+    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
+    steps = 0
+    while gen:
+        gen.step()
+        steps += 1
+        if steps == 2:
+            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
+        assert steps < 200
+    for seq, p, n in zip(seqs, prompts, limits):
+        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_and_gradients_match_torch(name, checkpoints):
+    hf, model, _ = checkpoints[name]
+    toks = tokens(VOCAB, (2, 13), seed=3)
+    ref_loss, ref = hf_loss_and_grads(hf, toks)
+    loss, got = mn_loss_and_grads(model, toks)
+    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
+    assert set(got) == set(ref)
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj",
+            "model.layers.1.mlp.experts.down_proj"} <= set(got)
+    for k in ref:
+        assert np.abs(ref[k]).max() > 0, k
+        err = relative_error(got[k], ref[k])
+        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+
+
+def test_aux_loss_matches_transformers(checkpoints):
+    """The load-balancing loss, added with router_aux_loss_coef, and the gradients of the total."""
+    hf, model, _ = checkpoints["full"]
+    toks = tokens(VOCAB, (2, 9), seed=4)
+    with torch.no_grad():
+        want_aux = hf(torch.tensor(toks), output_router_logits=True).aux_loss.item()
+    ref_loss, ref = hf_loss_and_grads(hf, toks, output_router_logits=True)
+    coef = model.config["router_aux_loss_coef"]
+
+    def total(m, t, device):
+        return lm_loss(m, t, device) + coef * m.aux_loss()
+
+    model.output_router_logits = True
+    try:
+        model(mx.array(toks))
+        assert abs(model.aux_loss().item() - want_aux) < 1e-5 * want_aux
+        assert model.router_logits() == []  # aux_loss releases them
+        loss, got = mn_loss_and_grads(model, toks, total)
+    finally:
+        model.output_router_logits = False
+    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
+    for k in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"):
+        assert relative_error(got[k], ref[k]) < GRAD_TOL, k
+    with pytest.raises(ValueError, match="output_router_logits"):
+        model.aux_loss()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
+    hf, model, _ = checkpoints[name]
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["model_type"] == "mixtral"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(back) is type(hf) and back.config.sliding_window == hf.config.sliding_window
+    toks = tokens(VOCAB, (1, 12), seed=5)
+    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
+    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
+
+
+def test_stacked_experts_load_too(checkpoints, tmp_path):
+    """A checkpoint holding transformers 5's in-memory names (``mlp.experts.gate_up_proj`` ...) loads."""
+    from safetensors.torch import save_file
+
+    hf, _, folder = checkpoints["full"]
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    toks = tokens(VOCAB, (1, 10), seed=6)
+    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
+
+
+def test_incomplete_experts_are_reported(checkpoints, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, _, folder = checkpoints["full"]
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight"):
+        load_pretrained(tmp_path)
+
+
+def test_lora_on_attention_and_router_trains(checkpoints):
+    _, _, folder = checkpoints["window"]
+    mx.random.seed(0)
+    model = load_pretrained(folder)
+    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
+    parent = {p: "self_attn" if p != "gate" else "mlp" for p in PROJECTIONS}
+    assert sorted(paths) == sorted(f"model.layers.{i}.{parent[p]}.{p}" for i in range(2) for p in PROJECTIONS)
+    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
+    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
+    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
+    trainer.fit(lambda step: batch, 4)
+    losses = trainer.history["loss"]
+    assert losses[-1] < losses[0] - 0.01, losses
+
+
+def test_info_names_the_experts_and_window(checkpoints):
+    _, _, folder = checkpoints["window"]
+    result = metalnn_cmd("info", folder)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"architecture\s+MixtralForCausalLM", result.stdout)
+    facts = json.loads(metalnn_cmd("info", folder, "--json").stdout)
+    assert facts["features"] == ["mixture of experts: 2 of 4 experts per token (hidden 24) on every layer",
+                                 "sliding window 5"]
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------
+
+
+def write_gguf(path, hf, qtype=Q.F32):
+    """``hf`` as llama.cpp's converter writes a Mixtral ``llama`` file (``LlamaModel``: hyperparameters,
+    expert counts, vocab size, rope dimensions; Q/K rows permuted by ``LlamaModel.permute``; each
+    layer's experts stacked ``[E, rows, cols]`` per projection); matrices ``qtype``, norms and the
+    router F32 (llama.cpp keeps ``ffn_gate_inp`` in F32)."""
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_vocab_size(c.vocab_size)
+    w.add_rope_dimension_count(head_dim)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    tensors = []
+    for hf_name, p in hf.state_dict().items():
+        a = p.detach().numpy().astype(np.float32)
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = c.num_attention_heads if ".q_proj." in hf_name else c.num_key_value_heads
+            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        i = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        if hf_name.endswith("mlp.experts.gate_up_proj"):  # the w1 stack, then the w3 stack
+            half = a.shape[1] // 2
+            tensors += [(f"blk.{i}.ffn_gate_exps.weight", a[:, :half]), (f"blk.{i}.ffn_up_exps.weight", a[:, half:])]
+        elif hf_name.endswith("mlp.experts.down_proj"):
+            tensors.append((f"blk.{i}.ffn_down_exps.weight", a))
+        elif hf_name.endswith("mlp.gate.weight"):
+            tensors.append((f"blk.{i}.ffn_gate_inp.weight", a))
+        else:
+            tensors.append((names.get_name(hf_name, try_suffixes=(".weight",)), a))
+    for name, a in tensors:
+        if a.ndim >= 2 and qtype != Q.F32 and "ffn_gate_inp" not in name:
+            q = gguf.quants.quantize(np.ascontiguousarray(a), qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def q8_0_values(hf):
+    """``hf`` with every matrix the Q8_0 file quantizes (not the router) replaced by its Q8_0 round trip."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+                a = p.numpy().astype(np.float32)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
+                                         .reshape(a.shape)))
+    return hf
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
+def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
+    hf = mixtral(**dict(BASE, hidden_size=64, intermediate_size=64))  # rows of whole 32-value blocks
+    if qtype == Q.Q8_0:
+        hf = q8_0_values(hf)
+    model = load_pretrained(write_gguf(tmp_path / "mixtral.gguf", hf, qtype))
+    assert type(model) is mn.models.MixtralForCausalLM
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 128, 64)
+    toks = tokens(VOCAB, (2, 13), seed=1)
+    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
+    assert err < LOGITS_TOL, f"logits differ by {err:.3g}"
+    prompt = tokens(VOCAB, (1, 6), seed=2)
+    assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()
+
+
+def test_dense_llama_gguf_stays_llama(tmp_path):
+    """A ``llama`` file without experts still builds `LlamaForCausalLM`."""
+    from gguf_files import hf_model as llama_model, write
+
+    model = load_pretrained(write(tmp_path / "llama.gguf", llama_model()))
+    assert type(model) is mn.models.LlamaForCausalLM
