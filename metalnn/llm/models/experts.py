@@ -1,4 +1,6 @@
-"""Expert weights of mixture-of-experts checkpoints: per-expert tensors <-> stacked parameters.
+"""Mixture-of-experts models: expert weights of checkpoints (per-expert tensors <-> stacked
+parameters) and `ExpertsMixin`, the model-level API shared by the sparse-expert families
+(Qwen3-Next, Qwen3-MoE): stacking on load, splitting on save, the router's auxiliary loss.
 
 Hugging Face checkpoints store each expert as its own gated MLP
 (``<prefix>.experts.<e>.gate_proj.weight`` ``[I, W]``, ``.up_proj.weight`` ``[I, W]``,
@@ -14,6 +16,7 @@ import re
 import mlx.core as mx
 
 from ...errors import WeightLoadError
+from ...layers.moe import SparseMoE, load_balancing_loss
 from ...weights import Provider, open_provider
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
@@ -91,3 +94,70 @@ def split_experts(params: dict) -> dict:
         else:
             out[name] = a
     return out
+
+
+class ExpertsMixin:
+    """Model-level API of a `CausalLM` whose decoder blocks' ``mlp`` is a `SparseMoE` on some layers
+    (its args have ``num_experts`` and ``num_experts_per_tok``).
+
+    Per-expert checkpoint tensors are stacked on load (`StackedExpertsProvider`) and split again by
+    `save_pretrained` (`split_experts`). Training with the auxiliary load-balancing loss::
+
+        model.output_router_logits = True
+        def loss_fn(model, batch, device):
+            logits = model(batch[:, :-1], device=device)
+            ce = metalnn.losses.cross_entropy(logits, batch[:, 1:])
+            return ce + model.args.router_aux_loss_coef * model.aux_loss()
+    """
+
+    @property
+    def output_router_logits(self) -> bool:
+        """Keep each MoE layer's router logits of the most recent call (for `aux_loss`)."""
+        layers = self.moe_layers()
+        return bool(layers) and all(moe.record_router_logits for moe in layers)
+
+    @output_router_logits.setter
+    def output_router_logits(self, value: bool):
+        for moe in self.moe_layers():
+            moe.record_router_logits = bool(value)
+            moe.forget_router_logits()
+
+    def moe_layers(self) -> list:
+        """The `SparseMoE` feed-forward blocks, in layer order."""
+        return [block.mlp for block in self.decoder_layers if isinstance(block.mlp, SparseMoE)]
+
+    def router_logits(self) -> list:
+        """The router logits ``[tokens, E]`` of every MoE layer from the most recent call (needs
+        ``output_router_logits``)."""
+        return [moe.router_logits for moe in self.moe_layers() if moe.router_logits is not None]
+
+    def aux_loss(self):
+        """The load-balancing loss (`load_balancing_loss`, as transformers' ``aux_loss``) of the most
+        recent call, over all MoE layers; the kept router logits are released. Call it inside the
+        loss function, after the forward pass, with ``output_router_logits`` set."""
+        logits = self.router_logits()
+        if not logits:
+            raise ValueError(f"{self.architecture}.aux_loss: no router logits; set model.output_router_logits = "
+                             "True and run the model first")
+        loss = load_balancing_loss(logits, self.args.num_experts, self.args.num_experts_per_tok)
+        for moe in self.moe_layers():
+            moe.forget_router_logits()
+        return loss
+
+    def load_weights_from(self, provider, strict: bool = True):
+        return super().load_weights_from(StackedExpertsProvider(provider), strict=strict)
+
+    def export_weights(self):
+        return split_experts(self.named_parameters())
+
+    def moe_features(self) -> list:
+        """One phrase on the experts (for ``features``): experts per token, which layers are dense."""
+        moe = self.moe_layers()
+        if not moe:
+            return []
+        out = [f"mixture of experts: {moe[0].top_k} of {moe[0].num_experts} experts per token"
+               f"{' (renormalised)' if moe[0].norm_topk_prob else ''}"]
+        dense = [i for i, block in enumerate(self.decoder_layers) if not isinstance(block.mlp, SparseMoE)]
+        if dense:
+            out.append(f"dense feed-forward on layers {', '.join(map(str, dense))}")
+        return out

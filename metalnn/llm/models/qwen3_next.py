@@ -32,12 +32,12 @@ from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.base import Layer
 from ...layers.linear import Linear
 from ...layers.mlp import SwiGLU
-from ...layers.moe import SparseMoE, load_balancing_loss
+from ...layers.moe import SparseMoE
 from ...layers.transformer import DecoderBlock
 from ..gguf.converters.qwen3next import Qwen3NextConverter
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import DecoderStack
-from .experts import StackedExpertsProvider, split_experts
+from .experts import ExpertsMixin
 from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
                      hybrid_layer_types)
 from .registry import register
@@ -137,19 +137,14 @@ def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
 
 
 @register("Qwen3NextForCausalLM", model_types=("qwen3_next",), gguf=Qwen3NextConverter)
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(ExpertsMixin, CausalLM):
     """Qwen3-Next built from a Hugging Face ``Qwen3NextConfig`` dict (`ModelArgs` lists the keys read).
 
     Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack`
     of `DecoderBlock` s.
 
-    Training with the auxiliary load-balancing loss::
-
-        model.output_router_logits = True
-        def loss_fn(model, batch, device):
-            logits = model(batch[:, :-1], device=device)
-            ce = metalnn.losses.cross_entropy(logits, batch[:, 1:])
-            return ce + model.args.router_aux_loss_coef * model.aux_loss()
+    The experts' API (stacking on load, splitting on save, ``output_router_logits`` and
+    ``aux_loss`` for training with the load-balancing loss) is `ExpertsMixin`'s.
 
     Args: see `CausalLM` (``config``, ``seed``).
     """
@@ -173,48 +168,9 @@ class Qwen3NextForCausalLM(CausalLM):
         """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
         return hybrid_caches(self.args.kinds)
 
-    # -- the router's auxiliary loss ---------------------------------------------------------------
-    @property
-    def output_router_logits(self) -> bool:
-        """Keep each MoE layer's router logits of the most recent call (for `aux_loss`)."""
-        layers = self.moe_layers()
-        return bool(layers) and all(moe.record_router_logits for moe in layers)
-
-    @output_router_logits.setter
-    def output_router_logits(self, value: bool):
-        for moe in self.moe_layers():
-            moe.record_router_logits = bool(value)
-            moe.forget_router_logits()
-
-    def moe_layers(self) -> list:
-        return [block.mlp for block in self.model.layers if isinstance(block.mlp, SparseMoE)]
-
-    def router_logits(self) -> list:
-        """The router logits ``[tokens, E]`` of every MoE layer from the most recent call (needs
-        ``output_router_logits``)."""
-        return [moe.router_logits for moe in self.moe_layers() if moe.router_logits is not None]
-
-    def aux_loss(self):
-        """The load-balancing loss (`load_balancing_loss`, as transformers' ``aux_loss``) of the most
-        recent call, over all MoE layers; the kept router logits are released. Call it inside the
-        loss function, after the forward pass, with ``output_router_logits`` set."""
-        logits = self.router_logits()
-        if not logits:
-            raise ValueError(f"{self.architecture}.aux_loss: no router logits; set model.output_router_logits = "
-                             "True and run the model first")
-        loss = load_balancing_loss(logits, self.args.num_experts, self.args.num_experts_per_tok)
-        for moe in self.moe_layers():
-            moe.forget_router_logits()
-        return loss
-
     # -- weights -----------------------------------------------------------------------------------
     def rename_weight(self, name):
         if name.startswith("mtp."):
             return None
         return super().rename_weight(name)
 
-    def load_weights_from(self, provider, strict: bool = True):
-        return super().load_weights_from(StackedExpertsProvider(provider), strict=strict)
-
-    def export_weights(self):
-        return split_experts(self.named_parameters())
