@@ -280,8 +280,8 @@ def write_gguf(path, hf, qtype=Q.F32):
         if hf_name.endswith("mlp.experts.gate_up_proj"):
             half = a.shape[1] // 2
             base = hf_name[: -len(".gate_up_proj")]
-            add(names.get_name(base + ".gate_proj.weight", try_suffixes=(".weight",)), np.ascontiguousarray(a[:, :half]))
-            add(names.get_name(base + ".up_proj.weight", try_suffixes=(".weight",)), np.ascontiguousarray(a[:, half:]))
+            for part, rows in (("gate_proj", a[:, :half]), ("up_proj", a[:, half:])):
+                add(names.get_name(f"{base}.{part}.weight", try_suffixes=(".weight",)), np.ascontiguousarray(rows))
             continue
         if hf_name.endswith("mlp.experts.down_proj"):
             hf_name += ".weight"
