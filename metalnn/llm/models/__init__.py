@@ -5,15 +5,15 @@
 >>> new = metalnn.generate(model, [1, 2, 3], max_new_tokens=20)     # greedy
 >>> model.save_pretrained("out/")                                   # transformers can load it
 
-One architecture a module (``llama``, ``gpt2``, ``qwen2``, ``qwen3``, ``mistral``, ``qwen3_next``,
-``qwen3_5``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``, ``mixtral``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
+One architecture a module (``llama``, ``gpt2``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral``, ``mixtral``,
+``qwen3_next``, ``qwen3_5``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
 subclass built from shared blocks (`metalnn.layers`, `decoder`, `hybrid`, `rope`, `experts`) that registers itself
 in `ARCHITECTURES` (`registry`: keyed by Hugging Face architecture, ``model_type`` and GGUF architecture). Checkpoints:
 Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) and Hub names
 (``"org/name"``); see `loading`.
 
 Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3NextForCausalLM``,
+``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3NextForCausalLM``,
 ``Qwen3_5ForCausalLM`` (also the text model of a ``Qwen3_5ForConditionalGeneration`` folder),
 ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM`` and ``MixtralForCausalLM``.
 """
@@ -35,12 +35,14 @@ from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 from .qwen3_next import Qwen3NextForCausalLM
 from .registry import ARCHITECTURES, model_class, register
 from .smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
-           "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-           "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "SmolLM3ForCausalLM", "Tokenizer",
+           "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "SmolLM3ForCausalLM",
+           "Tokenizer",
            "UnsupportedConfigError", "char_tokenizer", "from_config", "gguf", "llama_config", "load_pretrained",
            "load_tokenizer", "model_class", "read_config", "read_gguf", "register"]

@@ -1,4 +1,6 @@
-"""Expert weights of mixture-of-experts checkpoints: per-expert tensors <-> stacked parameters.
+"""Mixture-of-experts models: expert weights of checkpoints (per-expert tensors <-> stacked
+parameters) and `RoutedExperts`, the model-level API shared by the sparse-expert families
+(Qwen3-Next, Qwen3-MoE, Mixtral): stacking on load, splitting on save, the router's auxiliary loss.
 
 Hugging Face checkpoints store each expert as its own gated MLP
 (``<prefix>.experts.<e>.gate_proj.weight`` ``[I, W]``, ``.up_proj.weight`` ``[I, W]``,
@@ -7,8 +9,6 @@ stacked: ``<prefix>.experts.gate_up_proj`` ``[E, 2*I, W]`` (each expert's gate r
 rows) and ``<prefix>.experts.down_proj`` ``[E, W, I]``. Checkpoints that name the three
 projections otherwise (Mixtral's ``w1`` gate, ``w3`` up, ``w2`` down) pass their names as ``names``.
 
-`RoutedExperts` gives a model with `SparseMoE` blocks the router-logit switch and the auxiliary
-load-balancing loss (``output_router_logits``, `RoutedExperts.aux_loss`).
 """
 
 from __future__ import annotations
@@ -112,8 +112,10 @@ def split_experts(params: dict, names: tuple = PROJECTIONS) -> dict:
 
 
 class RoutedExperts:
-    """Mixin of a `CausalLM` whose feed-forward blocks (``block.mlp``) are partly or all `SparseMoE`:
-    the router-logit switch and the auxiliary load-balancing loss, as transformers' ``aux_loss``.
+    """Model-level API of a `CausalLM` whose decoder blocks' ``mlp`` is a `SparseMoE` on some layers:
+    per-expert checkpoint tensors stacked on load (`StackedExpertsProvider`) and split again by
+    `save_pretrained` (`split_experts`; ``expert_names``: the checkpoint's projection names), the
+    router-logit switch and the auxiliary load-balancing loss, as transformers' ``aux_loss``.
 
     Training with it::
 
@@ -123,6 +125,9 @@ class RoutedExperts:
             ce = metalnn.losses.cross_entropy(logits, batch[:, 1:])
             return ce + model.args.router_aux_loss_coef * model.aux_loss()
     """
+
+    #: the checkpoint's per-expert (gate, up, down) projection names
+    expert_names = PROJECTIONS
 
     @property
     def output_router_logits(self) -> bool:
@@ -138,7 +143,7 @@ class RoutedExperts:
 
     def moe_layers(self) -> list:
         """The `SparseMoE` feed-forward blocks, in layer order."""
-        return [block.mlp for block in self.model.layers if isinstance(block.mlp, SparseMoE)]
+        return [block.mlp for block in self.decoder_layers if isinstance(block.mlp, SparseMoE)]
 
     def router_logits(self) -> list:
         """The router logits ``[tokens, E]`` of every MoE layer from the most recent call (needs
@@ -158,3 +163,21 @@ class RoutedExperts:
         for moe in self.moe_layers():
             moe.forget_router_logits()
         return loss
+
+    def load_weights_from(self, provider, strict: bool = True):
+        return super().load_weights_from(StackedExpertsProvider(provider, self.expert_names), strict=strict)
+
+    def export_weights(self):
+        return split_experts(self.named_parameters(), self.expert_names)
+
+    def moe_features(self) -> list:
+        """One phrase on the experts (for ``features``): experts per token, which layers are dense."""
+        moe = self.moe_layers()
+        if not moe:
+            return []
+        out = [f"mixture of experts: {moe[0].top_k} of {moe[0].num_experts} experts per token"
+               f"{' (renormalised)' if moe[0].norm_topk_prob else ''}"]
+        dense = [i for i, block in enumerate(self.decoder_layers) if not isinstance(block.mlp, SparseMoE)]
+        if dense:
+            out.append(f"dense feed-forward on layers {', '.join(map(str, dense))}")
+        return out

@@ -29,7 +29,7 @@ from ...layers.moe import SparseMoE
 from ...layers.transformer import DecoderBlock
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import DecoderStack
-from .experts import MIXTRAL_PROJECTIONS, RoutedExperts, StackedExpertsProvider, split_experts
+from .experts import MIXTRAL_PROJECTIONS, RoutedExperts
 from .registry import register
 from .rope import rope_options
 
@@ -139,9 +139,7 @@ class MixtralForCausalLM(RoutedExperts, CausalLM):
     def rename_weight(self, name):
         return super().rename_weight(name.replace(CHECKPOINT_MOE, MOE))
 
-    def load_weights_from(self, provider, strict: bool = True):
-        return super().load_weights_from(StackedExpertsProvider(provider, MIXTRAL_PROJECTIONS), strict=strict)
+    expert_names = MIXTRAL_PROJECTIONS
 
     def export_weights(self):
-        split = split_experts(self.named_parameters(), MIXTRAL_PROJECTIONS)
-        return {k.replace(MOE, CHECKPOINT_MOE): v for k, v in split.items()}
+        return {k.replace(MOE, CHECKPOINT_MOE): v for k, v in super().export_weights().items()}

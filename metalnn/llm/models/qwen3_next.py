@@ -37,7 +37,7 @@ from ...layers.transformer import DecoderBlock
 from ..gguf.converters.qwen3next import Qwen3NextConverter
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import DecoderStack
-from .experts import RoutedExperts, StackedExpertsProvider, split_experts
+from .experts import RoutedExperts
 from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
                      hybrid_layer_types)
 from .registry import register
@@ -143,7 +143,8 @@ class Qwen3NextForCausalLM(RoutedExperts, CausalLM):
     Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack`
     of `DecoderBlock` s.
 
-    Training with the auxiliary load-balancing loss: see `RoutedExperts`.
+    The experts' API (stacking on load, splitting on save, ``output_router_logits`` and
+    ``aux_loss`` for training with the load-balancing loss) is `RoutedExperts`'.
 
     Args: see `CausalLM` (``config``, ``seed``).
     """
@@ -173,8 +174,3 @@ class Qwen3NextForCausalLM(RoutedExperts, CausalLM):
             return None
         return super().rename_weight(name)
 
-    def load_weights_from(self, provider, strict: bool = True):
-        return super().load_weights_from(StackedExpertsProvider(provider), strict=strict)
-
-    def export_weights(self):
-        return split_experts(self.named_parameters())

@@ -9,7 +9,7 @@ import pytest
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import (ARCHITECTURES, CausalLM, gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, qwen2,
-                                qwen3, qwen3_5, qwen3_next, smollm3)
+                                qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
 from metalnn.llm.models.registry import Registry, register
 
 LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -33,6 +33,7 @@ def test_one_registry_keyed_three_ways():
              "Qwen2ForCausalLM": mn.models.Qwen2ForCausalLM, "Qwen3ForCausalLM": mn.models.Qwen3ForCausalLM,
              "MistralForCausalLM": mn.models.MistralForCausalLM, "Phi3ForCausalLM": mn.models.Phi3ForCausalLM,
              "Qwen3NextForCausalLM": mn.models.Qwen3NextForCausalLM,
+             "Qwen3MoeForCausalLM": mn.models.Qwen3MoeForCausalLM,
              "Qwen3_5ForCausalLM": mn.models.Qwen3_5ForCausalLM,
              "Qwen3_5ForConditionalGeneration": mn.models.Qwen3_5ForCausalLM,
              "Gemma2ForCausalLM": mn.models.Gemma2ForCausalLM, "Gemma3ForCausalLM": mn.models.Gemma3ForCausalLM,
@@ -42,13 +43,14 @@ def test_one_registry_keyed_three_ways():
              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
              "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-             "mixtral": "MixtralForCausalLM"}
+             "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     for model_type, name in types.items():
         assert ARCHITECTURES.for_model_type(model_type).model is names[name]
         assert mn.models.model_class({"model_type": model_type}) is names[name]
     ggufs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
-             "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+             "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+             "qwen3moe": "Qwen3MoeForCausalLM"}
     assert set(ARCHITECTURES.gguf_converters()) == set(ggufs)
     for arch, name in ggufs.items():
         entry = ARCHITECTURES.for_gguf(arch)
@@ -90,7 +92,7 @@ def test_register_refuses_a_taken_key_and_a_class_without_model_args():
 
 
 @pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5, phi3, gemma2, gemma3,
-                                    smollm3, mixtral])
+                                    smollm3, mixtral, qwen3_moe])
 def test_model_args_ignore_unknown_keys_and_name_missing_ones(module):
     required = [f.name for f in dataclasses.fields(module.ModelArgs)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -113,6 +115,9 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
     assert qwen3_next.ModelArgs.from_dict(HYBRID).rope["rope_dims"] == 4  # partial_rotary_factor 0.25 of 16
     q = qwen3_next.ModelArgs.from_dict(dict(HYBRID, mlp_only_layers=[2]))
     assert [q.is_sparse(i) for i in range(3)] == [True, True, False]
+    m = qwen3_moe.ModelArgs.from_dict(LLAMA)  # transformers' Qwen3MoeConfig defaults
+    assert (m.num_experts, m.num_experts_per_tok, m.norm_topk_prob, m.head_dim) == (128, 8, False, 128)
+    assert qwen3_moe.ModelArgs.from_dict(dict(LLAMA, num_local_experts=6, num_experts_per_tok=2)).num_experts == 6
     model = mn.models.from_config(dict(LLAMA, architectures=["LlamaForCausalLM"]))
     assert model.args.vocab_size == model.vocab_size == 40 and model.context_length is None
 
@@ -130,6 +135,8 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
     (qwen3_next, "linear_num_value_heads", 3,
      "linear_num_value_heads = 3 is not supported (supported: a positive multiple of linear_num_key_heads = 2)"),
     (qwen3_next, "decoder_sparse_step", 0, "decoder_sparse_step = 0 is not supported (supported: a positive"),
+    (qwen3_moe, "decoder_sparse_step", 0, "decoder_sparse_step = 0 is not supported (supported: a positive"),
+    (qwen3_moe, "num_experts_per_tok", 0, "num_experts_per_tok = 0 is not supported (supported: 1 to num_experts"),
     (qwen3_5, "layer_types", None, "full_attention_interval = 0 is not supported (supported: a positive"),
     (smollm3, "no_rope_layers", [1, -1], "no_rope_layers[1] = -1 is not supported (supported: 1 (RoPE), 0 (no RoPE))"),
     (mixtral, "num_experts_per_tok", 9,
