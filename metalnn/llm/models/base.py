@@ -76,6 +76,20 @@ def _coerce(name: str, kind, value):
     return float(value)
 
 
+def text_config(config: dict) -> dict:
+    """The text model's config: ``config["text_config"]`` for a multimodal config (Qwen3.5's, Gemma 3's;
+    with the top level's ``tie_word_embeddings``, which decides the tying there, as in transformers),
+    else ``config``."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return dict(config)
+    out = dict(text)
+    if "tie_word_embeddings" in config:
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    out.pop("architectures", None)
+    return out
+
+
 @dataclass
 class BaseModelArgs:
     """Base of every architecture's ``ModelArgs`` dataclass (as in mlx-lm's ``models/base.py``).

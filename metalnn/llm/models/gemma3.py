@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ... import init as initializers
 from ...layers.linear import Linear
 from ..gguf.converters.gemma3 import Gemma3Converter
-from .base import BaseModelArgs, CausalLM, refuse
+from .base import BaseModelArgs, CausalLM, refuse, text_config
 from .decoder import SLIDING, check_layer_types
 from .gemma2 import check_positive, gate_activation, gemma_block, gemma_features, gemma_stack
 from .registry import register
@@ -99,9 +99,19 @@ class ModelArgs(BaseModelArgs):
                             rope_parameters=own, partial_rotary_factor=1.0)
 
 
-@register("Gemma3ForCausalLM", model_types=("gemma3_text",), gguf=Gemma3Converter)
+#: where the text model's tensors sit in a multimodal checkpoint (transformers 5, then 4), and what
+#: of it is not loaded (the vision tower and its projector)
+_LANGUAGE_MODEL = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_VISION = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+@register("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", model_types=("gemma3_text", "gemma3"),
+          gguf=Gemma3Converter)
 class Gemma3ForCausalLM(CausalLM):
-    """Gemma 3 (text) built from a Hugging Face ``Gemma3TextConfig`` dict (`ModelArgs` lists the keys
+    """Gemma 3 (text) built from a Hugging Face ``Gemma3TextConfig`` dict, or the text model of a
+    multimodal ``Gemma3Config`` (``Gemma3ForConditionalGeneration`` folders: the 4B and larger
+    checkpoints; ``text_config`` is read, the vision tower is not loaded) (`ModelArgs` lists the keys
     read).
 
     Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack` of
@@ -111,6 +121,19 @@ class Gemma3ForCausalLM(CausalLM):
     """
 
     args_class = ModelArgs
+
+    def __init__(self, config: dict, seed: int = 0):
+        super().__init__(text_config(config), seed=seed)
+
+    def rename_weight(self, name):
+        for prefix, to in _LANGUAGE_MODEL:
+            if name.startswith(prefix):
+                name = to + name[len(prefix):]
+                break
+        else:
+            if name.startswith(_VISION):
+                return None
+        return super().rename_weight(name)
 
     def _build(self, args: ModelArgs):
         init = initializers.Normal(args.initializer_range)  # transformers' init

@@ -29,7 +29,7 @@ from ...layers.linear import Linear
 from ...layers.mlp import SwiGLU
 from ...layers.transformer import DecoderBlock
 from ..gguf.converters.qwen35 import Qwen35Converter
-from .base import BaseModelArgs, CausalLM, refuse
+from .base import BaseModelArgs, CausalLM, refuse, text_config
 from .decoder import DecoderStack
 from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
                      hybrid_layer_types)
@@ -89,20 +89,6 @@ class ModelArgs(BaseModelArgs):
         check_linear_sizes(self, self.kinds)
         self.rope = rope_options(self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
                                  rope_parameters=self.rope_parameters, partial_rotary_factor=self.partial_rotary_factor)
-
-
-def text_config(config: dict) -> dict:
-    """The text model's config: ``config["text_config"]`` for a multimodal ``qwen3_5`` config (with the
-    top level's ``tie_word_embeddings``, which decides the tying there, as in transformers), else
-    ``config``."""
-    text = config.get("text_config")
-    if not isinstance(text, dict):
-        return dict(config)
-    out = dict(text)
-    if "tie_word_embeddings" in config:
-        out["tie_word_embeddings"] = config["tie_word_embeddings"]
-    out.pop("architectures", None)
-    return out
 
 
 def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:

@@ -47,7 +47,7 @@ from metalnn.llm.tuner import lora
 
 from gguf_gemma_files import quantizable, write
 from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+                       perturb, relative_error, save_and_load, tokens)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -337,3 +337,41 @@ def test_unsupported_values_are_named(arch, key, value, words):
     with pytest.raises(UnsupportedConfigError, match=f"^{arch}: ") as e:
         mn.models.from_config(cfg)
     assert words in str(e.value)
+
+
+def test_a_multimodal_gemma3_folder_loads_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (the 4B and larger checkpoints): the text model loads
+    from ``text_config`` and ``model.language_model.*`` (the vision tower and projector are left out)
+    and gives transformers' logits for text-only input; the same with transformers 4's layout
+    (``language_model.model.*``)."""
+    _, _, text = FAMILIES["gemma3"]
+    # without a final soft cap, as the released Gemma 3 configs (transformers' multimodal class does not
+    # apply the text config's cap; its text-only class does, as metalnn)
+    text = dict(text, final_logit_softcapping=None)
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3Config(
+        text_config=text, tie_word_embeddings=True,
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=8), mm_tokens_per_image=4, attn_implementation="eager")
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    perturb(hf, 3)
+    hf.save_pretrained(tmp_path / "new")
+    model = load_pretrained(tmp_path / "new")
+    assert type(model) is mn.models.Gemma3ForCausalLM and model.tie_word_embeddings
+    toks = tokens(VOCAB, (2, 11), seed=8)
+    assert max_error(model(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
+    # transformers 4's names for the same tensors
+    moves = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+    renamed = {}
+    for k, v in mn.load_safetensors(tmp_path / "new" / "model.safetensors").items():
+        for old, new in moves:
+            if k.startswith(old):
+                k = new + k[len(old):]
+                break
+        renamed[k] = v
+    assert any(k.startswith("language_model.model.layers.") for k in renamed)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
+    mn.save_safetensors(tmp_path / "old" / "model.safetensors", renamed)
+    assert max_error(load_pretrained(tmp_path / "old")(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
