@@ -152,11 +152,20 @@ def test_chat_from_stdin_with_reset_and_exit(tiny, local):
     assert metalnn_cmd("chat", tiny, "--max-tokens", "5", input="Hello\n").returncode == 0
 
 
-def test_chat_ctrl_c_stops_the_answer_not_the_program(tiny):
+@pytest.fixture(scope="module")
+def slow_tiny(tmp_path_factory):
+    """A wider chat model (512 wide, 8 layers: ~100 tokens/s on two cores) whose greedy answer to the
+    Ctrl-C test's question runs past 400 tokens: the 3000-token answer is still running when the
+    test has read its first 40 characters, however loaded the machine (the 64-wide model writes all
+    3000 tokens in about two seconds, which a busy reader may not outlast)."""
+    return save_tiny_model(tmp_path_factory.mktemp("slow") / "tiny", hidden_size=512, num_hidden_layers=8, seed=1)
+
+
+def test_chat_ctrl_c_stops_the_answer_not_the_program(slow_tiny):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # greedy: this model's greedy answer runs to the token limit (sampled ones may end early)
-    p = subprocess.Popen([sys.executable, "-m", "metalnn", "chat", str(tiny), "--max-tokens", "3000", "--temperature",
-                          "0"],
+    # greedy: this model's greedy answer runs past 400 tokens (sampled ones may end early)
+    p = subprocess.Popen([sys.executable, "-m", "metalnn", "chat", str(slow_tiny), "--max-tokens", "3000",
+                          "--temperature", "0"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out, err = [], []
     readers = [threading.Thread(target=lambda f, acc: acc.extend(iter(lambda: f.read(1), "")), args=a, daemon=True)
