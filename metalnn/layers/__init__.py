@@ -10,6 +10,7 @@ from .dropout import Dropout
 from .embedding import Embedding
 from .fused_projections import FusedGateUpMLP, FusedQKVAttention, LongRoPE
 from .gated_deltanet import GatedDeltaCache, GatedDeltaNet
+from .state_cache import StateCache
 from .ggml import GGMLEmbedding, GGMLLinear
 from .kmeans import KMeans
 from .linear import Linear, LinearWithWeights, MulRows
@@ -33,7 +34,7 @@ __all__ = [
     "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",
     "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss",
-    "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache",
+    "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache", "StateCache",
     "GatedDeltaNet", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",

@@ -2,7 +2,7 @@
 `merge_rows` / `keep_rows` over a model's per-layer cache list.
 
 A server decodes every running request in one batched step. Each request's prompt is first run
-alone into its own caches (`KVCache`, `GatedDeltaCache`); `merge_rows` then adds those rows to the
+alone into its own caches (`KVCache`, a `StateCache` such as `GatedDeltaCache`); `merge_rows` then adds those rows to the
 batch's caches, and `keep_rows` drops the rows of finished requests.
 
 Attention caches are left-aligned: row ``b`` holds its positions in columns ``[0, lengths[b])`` of
@@ -11,7 +11,7 @@ the buffers ``[B, Hkv, capacity, head_dim]``. New positions are written at each 
 (`BatchKVCache.positions`), and `BatchKVCache.key_mask` hides from each query the columns past its
 own position. Rows never move: a row that joins, leaves or takes back positions (speculative
 decoding's rejected drafts, `BatchKVCache.rewind`) costs no copy of the others. Recurrent states
-(`GatedDeltaCache`) have no positions: their rows stack.
+(`StateCache` s) have no positions: their rows stack.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from .attention import KVCache
-from .gated_deltanet import GatedDeltaCache
+from .state_cache import StateCache
 
 __all__ = ["BatchKVCache", "merge_rows", "keep_rows"]
 
@@ -187,16 +187,6 @@ def _merge_kv(caches) -> BatchKVCache:
     return BatchKVCache(stack(0), stack(1), [n for r in rows for n in r[2]])
 
 
-def _merge_recurrent(caches) -> GatedDeltaCache:
-    out = GatedDeltaCache()
-    live = [c for c in caches if c.recurrent_state is not None]
-    if live:
-        out.conv_state = mx.concatenate([c.conv_state for c in live], axis=0)
-        out.recurrent_state = mx.concatenate([c.recurrent_state for c in live], axis=0)
-        out.offset = max(c.offset for c in live)
-    return out
-
-
 def merge_rows(caches_per_group: Sequence[list]) -> list:
     """One cache list holding the rows of several: ``caches_per_group`` is a list of per-layer cache
     lists (each from ``model.make_cache()``, filled by a prompt, or an earlier merge), in row order.
@@ -212,8 +202,8 @@ def merge_rows(caches_per_group: Sequence[list]) -> list:
         column = [g[i] for g in groups]
         if all(isinstance(c, KVCache) for c in column):
             merged.append(_merge_kv(column))
-        elif all(isinstance(c, GatedDeltaCache) for c in column):
-            merged.append(_merge_recurrent(column))
+        elif all(type(c) is type(column[0]) and isinstance(c, StateCache) for c in column):
+            merged.append(type(column[0]).merge(column))
         else:
             raise TypeError(f"merge_rows: layer {i} mixes cache types {sorted({type(c).__name__ for c in column})}")
     return merged
@@ -224,16 +214,12 @@ def keep_rows(caches: list, rows: Sequence[int]) -> list:
     new buffers sized for the longest remaining row."""
     rows = [int(r) for r in rows]
     if not rows:
-        return [type(c)() if isinstance(c, GatedDeltaCache) else BatchKVCache() for c in caches]
+        return [type(c)() if isinstance(c, StateCache) else BatchKVCache() for c in caches]
     idx = mx.array(rows, dtype=mx.int32)
     out = []
     for c in caches:
-        if isinstance(c, GatedDeltaCache):
-            kept = GatedDeltaCache()
-            if c.recurrent_state is not None:
-                kept.conv_state, kept.recurrent_state = c.conv_state[idx], c.recurrent_state[idx]
-                kept.offset = c.offset
-            out.append(kept)
+        if isinstance(c, StateCache):
+            out.append(c.take(idx))
             continue
         keys, values, lengths = _kv_rows(c)
         if keys is None:

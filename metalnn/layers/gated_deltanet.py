@@ -35,28 +35,16 @@ from .. import functional as F
 from ..data import Data, MTLSize
 from .base import Layer
 from .conv import Conv1D
+from .state_cache import StateCache
 from .linear import Linear, float_dtype
 from .norm import GatedRMSNorm
 
 
-class GatedDeltaCache:
-    """Decoding state of one `GatedDeltaNet`: convolution tail and recurrent state."""
+class GatedDeltaCache(StateCache):
+    """Decoding state of one `GatedDeltaNet`: ``conv_state`` ``[B, kernel - 1, C]`` (the last
+    convolution inputs) and ``recurrent_state`` ``[B, Hv, Dk, Dv]`` (float32)."""
 
-    def __init__(self):
-        self.conv_state = None        # [B, kernel - 1, C]: the last conv inputs
-        self.recurrent_state = None   # [B, Hv, Dk, Dv], float32
-        self.offset = 0
-
-    def reset(self):
-        self.conv_state = self.recurrent_state = None
-        self.offset = 0
-
-    @property
-    def state(self):
-        return [s for s in (self.conv_state, self.recurrent_state) if s is not None]
-
-    def __repr__(self):
-        return f"GatedDeltaCache(offset={self.offset})"
+    fields = ("conv_state", "recurrent_state")
 
 
 def _softplus(x):

@@ -9,7 +9,7 @@ the longest usable match:
 
 * attention caches (`KVCache`) hold one column per position, so any common prefix of an entry
   is usable (the entry's first ``n`` columns);
-* recurrent states (`GatedDeltaCache` of the hybrid models) are the state after exactly the
+* recurrent states (`StateCache` s such as the hybrid models' `GatedDeltaCache`) are the state after exactly the
   entry's tokens, so an entry of such a model matches only when all its tokens begin the prompt.
 
 Entries are MLX arrays shared with the sequence that made them: MLX writes a cache in place only
@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..layers.attention import KVCache
-from ..layers.gated_deltanet import GatedDeltaCache
+from ..layers.state_cache import StateCache
 
 __all__ = ["PrefixCache"]
 
@@ -45,8 +45,8 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 def _arrays(caches) -> list:
     out = []
     for c in caches:
-        if isinstance(c, GatedDeltaCache):
-            out += [c.conv_state, c.recurrent_state]
+        if isinstance(c, StateCache):
+            out += c.state
         else:
             out += [c.keys, c.values]
     return [a for a in out if a is not None]
@@ -57,7 +57,7 @@ class _Entry:
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.adapter = adapter
         self.caches = caches
-        self.recurrent = any(isinstance(c, GatedDeltaCache) for c in caches)
+        self.recurrent = any(isinstance(c, StateCache) for c in caches)
         self.nbytes = sum(a.nbytes for a in _arrays(caches))
 
 
@@ -70,11 +70,9 @@ def _own(a):
 
 def _single(cache, n: int):
     """A fresh cache of one sequence holding the first ``n`` positions of ``cache`` (a one-row
-    `KVCache` / `BatchKVCache`, or a `GatedDeltaCache` of exactly ``n`` tokens)."""
-    if isinstance(cache, GatedDeltaCache):
-        out = GatedDeltaCache()
-        out.conv_state, out.recurrent_state, out.offset = _own(cache.conv_state), _own(cache.recurrent_state), n
-        return out
+    `KVCache` / `BatchKVCache`, or a `StateCache` of exactly ``n`` tokens)."""
+    if isinstance(cache, StateCache):
+        return cache.copy(offset=n)
     out = KVCache()
     if cache.keys is not None:
         out.keys, out.values, out.offset = _own(cache.keys), _own(cache.values), n
@@ -183,9 +181,9 @@ class PrefixCache:
         for i, entry in enumerate(entries):
             arrays, kinds = {}, []
             for j, c in enumerate(entry.caches):
-                if isinstance(c, GatedDeltaCache):
-                    kinds.append("recurrent")
-                    arrays[f"{j}.conv"], arrays[f"{j}.state"] = c.conv_state, c.recurrent_state
+                if isinstance(c, StateCache):
+                    kinds.append(type(c).__name__)
+                    arrays.update({f"{j}.{name}": a for name, a in c.arrays().items()})
                 else:
                     kinds.append("kv")
                     n = len(entry.tokens)
@@ -208,9 +206,9 @@ class PrefixCache:
                 tokens, kinds = json.loads(meta["tokens"]), json.loads(meta["kinds"])
                 caches = []
                 for j, kind in enumerate(kinds):
-                    if kind == "recurrent":
-                        c = GatedDeltaCache()
-                        c.conv_state, c.recurrent_state, c.offset = arrays[f"{j}.conv"], arrays[f"{j}.state"], len(tokens)
+                    if kind != "kv":
+                        cls = StateCache.kind(kind)
+                        c = cls.from_arrays({name: arrays[f"{j}.{name}"] for name in cls.fields}, len(tokens))
                     else:
                         c = KVCache()
                         c.keys, c.values, c.offset = arrays[f"{j}.keys"], arrays[f"{j}.values"], len(tokens)
