@@ -1,4 +1,4 @@
-"""LoRA adapters in PEFT's format: `apply`, `save_adapters`, `load_adapters`, `fuse`.
+"""LoRA adapters in PEFT's format: `apply`, `save_adapters`, `load_adapters`, `fuse`, `adapters_disabled`.
 
 ``apply(model)`` wraps the matching projections (`Linear`, or a quantized linear layer, for QLoRA)
 in `LoRALinear`: ``y = base(x) + (alpha / r) * dropout(x) @ A.T @ B.T`` with ``A`` ``[r, in]``
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -106,10 +107,13 @@ class LoRALinear(Layer):
                              dtype=dtype)
         self.lora_B = Linear(out_features, in_features=self.rank, bias=False, init="zeros", dtype=dtype)
         self.dropout = Dropout(dropout)
+        self.enabled = True  # False inside `adapters_disabled`: the base projection alone
         self.mark_built((in_features, 1, 1))
 
     def forward(self, device, data):
         y = self.compile_child(self.base_layer, device, data)
+        if not self.enabled:
+            return y
         h = self.compile_child(self.dropout, device, data)
         update = (h.array @ self.lora_A.weight.T) @ self.lora_B.weight.T
         return Data(y.array + self.scale * update.astype(y.array.dtype), y.dims)
@@ -187,6 +191,26 @@ def _wrap(model, paths, rank, alpha, dropout):
         wrapped = module_at(model, path)
         wrapped.lora_A.unfreeze()
         wrapped.lora_B.unfreeze()
+
+
+@contextmanager
+def adapters_disabled(model):
+    """Inside the block ``model`` runs as its base model: every `LoRALinear`'s update is left out
+    (the reference model of preference training, with no second copy of the weights). Works inside
+    traced and compiled functions: the switch is read when the forward pass is built.
+
+    >>> with lora.adapters_disabled(model):
+    ...     ref_logits = mx.stop_gradient(model(tokens))
+    """
+    layers = [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
+    before = [m.enabled for m in layers]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, was in zip(layers, before):
+            m.enabled = was
 
 
 def adapters(model) -> dict:

@@ -6,12 +6,14 @@ Tolerance: float32 logits of a 2-block, width-64 model: 1e-4 absolute (the same 
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import peft
 import pytest
 import torch
 import transformers
+from mlx.utils import tree_flatten
 
 import metalnn as mn
 from metalnn.llm.tuner import lora
@@ -146,3 +148,30 @@ def test_bad_adapter_folders_are_reported_and_change_nothing(base, tmp_path):
         lora.load_adapters(other, tmp_path / "nothing")
     with pytest.raises(ValueError, match="no Linear"):
         lora.apply(mn.models.load_pretrained(base), targets=("nonexistent",))
+
+
+def test_adapters_disabled_gives_the_base_models_logits_inside_a_gradient(base):
+    """The reference model of preference training: the trained adapters switched off give the
+    untouched base's logits (bit for bit), also inside ``value_and_grad`` next to the adapted pass,
+    whose gradient is unchanged by the reference pass; the switch is restored afterwards."""
+    model, _, _, _ = trained_adapters(base, steps=3)
+    plain = mn.models.load_pretrained(base)
+    toks = mx.array(tokens((2, 9), seed=4))
+    with lora.adapters_disabled(model):
+        np.testing.assert_array_equal(np.array(model(toks)), np.array(plain(toks)))
+    assert np.abs(np.array(model(toks)) - np.array(plain(toks))).max() > 1e-4  # the adapters are back
+
+    def loss(m, t):
+        with lora.adapters_disabled(m):
+            ref = mx.stop_gradient(m(t))
+        return ((m(t) - ref) ** 2).mean()
+
+    def adapted_only(m, t):
+        return ((m(t) - mx.array(np.array(plain(t)))) ** 2).mean()
+
+    got_loss, got = nn.value_and_grad(model, lambda t: loss(model, t))(toks)
+    want_loss, want = nn.value_and_grad(model, lambda t: adapted_only(model, t))(toks)
+    assert abs(got_loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+    got, want = dict(tree_flatten(got)), dict(tree_flatten(want))
+    for name in lora.trainable_names(model):
+        np.testing.assert_allclose(np.array(got[name]), np.array(want[name]), rtol=1e-5, atol=1e-9, err_msg=name)
