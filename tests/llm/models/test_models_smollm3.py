@@ -42,17 +42,15 @@ from gguf import GGMLQuantizationType as Q
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
 from commands import metalnn_cmd
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, save_and_load, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_logits_match,
+                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, initializer_range=0.2,
             max_position_embeddings=256)
@@ -95,9 +93,7 @@ def checkpoints(tmp_path_factory):
 def test_logits_match_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
     assert type(model) is mn.models.SmolLM3ForCausalLM
-    toks = tokens(VOCAB, (2, 13), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -143,11 +139,7 @@ def test_a_nope_layer_is_blind_to_order(tmp_path):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_matches_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 24)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 24) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 24)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=24, label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -155,53 +147,30 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
     tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref) and "model.embed_tokens.weight" in got
-    scale = max(float(np.abs(g).max()) for g in ref.values())
     nope = [i for i, r in enumerate(hf.config.no_rope_layers[:hf.config.num_hidden_layers]) if not r]
-    for k in ref:
-        if any(k == f"model.layers.{i}.self_attn.k_proj.bias" for i in nope):
+    blind = [f"model.layers.{i}.self_attn.k_proj.bias" for i in nope]
+    _, got, _, ref = assert_loss_and_gradients_match(hf, model, VOCAB, must_include=["model.embed_tokens.weight"],
+                                                     skip=blind, label=name)
+    scale = max(float(np.abs(g).max()) for g in ref.values())
+    for k in blind:
+        if k in ref:
             # without RoPE a key bias shifts every score of a query equally: the softmax ignores it,
             # so its gradient is 0 (both sides give float32 rounding noise, ~1e-8 of the largest gradient)
             assert max_error(got[k], 0) < 1e-6 * scale and max_error(ref[k], 0) < 1e-6 * scale, k
-            continue
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["SmolLM3ForCausalLM"] and cfg["model_type"] == "smollm3"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
+    back = assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="SmolLM3ForCausalLM",
+                                                     model_type="smollm3")
     assert back.config.no_rope_layers == hf.config.no_rope_layers and back.config.layer_types == hf.config.layer_types
-    toks = tokens(VOCAB, (1, 12), seed=4)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
 
 
 def test_lora_on_every_projection_trains(checkpoints):
