@@ -25,11 +25,15 @@ Tolerances (the defaults; a test passes others only with its own reason):
     assert_batched_rows_match(hf, model, VOCAB)                 # BatchGenerator rows joining late
     assert_loss_and_gradients_match(hf, model, VOCAB, must_include=["model.embed_tokens.weight"])
     assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB)
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want_paths)  # LoRA on the family's projections
+    assert_info_features(folder, "FooForCausalLM", ["q/k RMSNorm", ...])  # `metalnn info`
 """
 
 import json
+import re
 
 import mlx.core as mx
+import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -39,6 +43,7 @@ import metalnn as mn
 from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
+from commands import metalnn_cmd
 from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, lm_loss, max_error, mn_loss_and_grads,
                        relative_error, tokens)
 
@@ -186,3 +191,49 @@ def assert_saved_folder_loads_in_transformers(hf, model, folder, vocab, *, archi
             err = max_error(again(mx.array(toks)), want)
             assert err < tol, f"metalnn's logits of the saved folder differ by {err:.3g} ({length} tokens)"
     return back
+
+
+def assert_bfloat16_as_close_as_transformers(folder, vocab, shape=(2, 20), seed=9, *, margin=1.5):
+    """Loaded from ``folder`` in bfloat16, metalnn's logits stay as close to a float32 run on the
+    bfloat16-rounded weights as transformers' own bfloat16 run does (``margin`` times its error, for
+    a different summation order) on ``tokens(vocab, shape, seed)``. Returns the bfloat16 model."""
+    toks = tokens(vocab, shape, seed=seed)
+    rounded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                                attn_implementation="eager").eval()
+    hf_bf16 = hf_logits(rounded, toks)
+    want = hf_logits(rounded.float(), toks)
+    model = load_pretrained(folder, dtype="bfloat16")
+    got = model(mx.array(toks))
+    assert got.dtype == mx.bfloat16, got.dtype
+    err, ref_err = max_error(got.astype(mx.float32), want), max_error(hf_bf16, want)
+    assert err < margin * ref_err, f"bfloat16 logits off by {err:.3g}, transformers' by {ref_err:.3g}"
+    return model
+
+
+def assert_lora_trains(folder, vocab, targets, want_paths, *, shape=(4, 17), seed=7, steps=4, lr=2e-2,
+                       min_drop=0.01):
+    """LoRA adapters of rank 4 on the ``targets`` projections of the model in ``folder`` sit exactly at
+    ``want_paths`` (module paths, any order), and ``steps`` Adam steps (learning rate ``lr``) through
+    `metalnn.Trainer` on one fixed batch ``tokens(vocab, shape, seed)`` lower the next-token loss by
+    more than ``min_drop``. Returns the adapted model."""
+    mx.random.seed(0)
+    model = load_pretrained(folder)
+    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=targets)
+    assert sorted(paths) == sorted(want_paths), sorted(set(paths) ^ set(want_paths))
+    batch = mx.array(tokens(vocab, shape, seed=seed))
+    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
+    trainer = mn.Trainer(model, optim.Adam(lr), loss, mn.Device(seed=0), progress=False)
+    trainer.fit(lambda step: batch, steps)
+    losses = trainer.history["loss"]
+    assert losses[-1] < losses[0] - min_drop, losses
+    return model
+
+
+def assert_info_features(folder, architecture, features):
+    """``metalnn info FOLDER`` succeeds, names ``architecture`` and prints ``features`` (a list of
+    strings, in order) on its features line; ``--json`` gives the same list."""
+    result = metalnn_cmd("info", folder)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"architecture\s+" + re.escape(architecture) + r"\b", result.stdout), result.stdout
+    assert re.search(r"features\s+" + re.escape("; ".join(features)) + "\n", result.stdout), result.stdout
+    assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == features

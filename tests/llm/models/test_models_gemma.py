@@ -44,9 +44,10 @@ from metalnn.llm.models import load_pretrained
 from metalnn.llm.tuner import lora
 
 from gguf_gemma_files import quantizable, write
-from hf_models import hf_greedy, hf_logits, hf_model, lm_loss, max_error, perturb, save_and_load, tokens
-from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_logits_match,
-                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
+from hf_models import hf_greedy, hf_logits, hf_model, lm_loss, max_error, perturb, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_bfloat16_as_close_as_transformers,
+                          assert_greedy_matches, assert_logits_match, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -83,12 +84,7 @@ def gemma(name, **overrides):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{family: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name in FAMILIES:
-        hf = gemma(name)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: gemma(name) for name in FAMILIES})
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -180,15 +176,8 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(name, checkpoints):
     """Loaded in bfloat16, the logits stay as close to a float32 run on the bfloat16-rounded weights as
     transformers' own bfloat16 run does (1.5x its error as margin for a different summation order)."""
     _, _, folder = checkpoints[name]
-    toks = tokens(VOCAB, (2, 20), seed=9)
-    rounded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
-                                                                attn_implementation="eager").eval()
-    hf_bf16 = hf_logits(rounded, toks)
-    want = hf_logits(rounded.float(), toks)
-    model = load_pretrained(folder, dtype="bfloat16")
-    got = model(mx.array(toks))
-    assert got.dtype == mx.bfloat16 and model.model.layers[0].mlp.up_proj.weight.dtype == mx.bfloat16
-    assert max_error(got.astype(mx.float32), want) < 1.5 * max_error(hf_bf16, want)
+    model = assert_bfloat16_as_close_as_transformers(folder, VOCAB)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == mx.bfloat16
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -28,9 +28,10 @@ from metalnn.errors import UnsupportedConfigError, WeightLoadError
 from metalnn.llm.models import load_pretrained
 
 from memory import peak_above_active
-from hf_models import hf_logits, hf_model, lm_loss, max_error, save_and_load, small_chunks, tokens
-from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_greedy_matches, assert_logits_match,
-                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
+from hf_models import hf_logits, hf_model, lm_loss, max_error, saved_checkpoints, small_chunks, tokens
+from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_bfloat16_as_close_as_transformers,
+                          assert_greedy_matches, assert_logits_match, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -54,12 +55,8 @@ CLASSES = {"qwen3_5": mn.models.Qwen3_5ForCausalLM, "qwen3_next": mn.models.Qwen
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{family: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, (cfg, cls, kw) in FAMILIES.items():
-        hf = hf_model(cfg, cls, **kw)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, small_chunks(save_and_load(hf, folder)), folder)
-    return out
+    models = {name: hf_model(cfg, cls, **kw) for name, (cfg, cls, kw) in FAMILIES.items()}
+    return saved_checkpoints(tmp_path_factory, models, prepare=small_chunks)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -119,15 +116,8 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(checkpoints):
     stay as close to a float32 run on the bfloat16-rounded weights as transformers' own bfloat16
     run does (1.5x its error as margin for a different summation order)."""
     _, _, folder = checkpoints["qwen3_next"]
-    toks = tokens(VOCAB, (2, 20), seed=9)
-    rounded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
-                                                                attn_implementation="eager").eval()
-    hf_bf16 = hf_logits(rounded, toks)
-    want = hf_logits(rounded.float(), toks)
-    model = load_pretrained(folder, dtype="bfloat16")
-    got = model(mx.array(toks))
-    assert got.dtype == mx.bfloat16 and model.model.layers[0].mlp.experts.gate_up_proj.dtype == mx.bfloat16
-    assert max_error(got.astype(mx.float32), want) < 1.5 * max_error(hf_bf16, want)
+    model = assert_bfloat16_as_close_as_transformers(folder, VOCAB)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == mx.bfloat16
 
 
 def test_text_model_of_a_multimodal_qwen3_5_folder(tmp_path):

@@ -18,13 +18,10 @@ against transformers holding the Q8_0 round trip of the quantized matrices). The
 compared the same way here, so 2e-4 holds again.
 """
 
-import json
 import os
-import re
 
 import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -35,11 +32,10 @@ import metalnn as mn
 from metalnn.errors import WeightLoadError
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
-from hf_models import hf_greedy, hf_logits, hf_model, max_error, save_and_load, tokens
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_batched_rows_match, assert_greedy_matches,
-                          assert_logits_match, assert_loss_and_gradients_match,
-                          assert_saved_folder_loads_in_transformers)
+                          assert_info_features, assert_logits_match, assert_lora_trains,
+                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -58,12 +54,7 @@ def mixtral(seed=0, **config):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, cfg in CONFIGS.items():
-        hf = mixtral(**cfg)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: mixtral(**cfg) for name, cfg in CONFIGS.items()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -146,27 +137,15 @@ def test_incomplete_experts_are_reported(checkpoints, tmp_path):
 
 def test_lora_on_attention_and_router_trains(checkpoints):
     _, _, folder = checkpoints["window"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     parent = {p: "self_attn" if p != "gate" else "mlp" for p in PROJECTIONS}
-    assert sorted(paths) == sorted(f"model.layers.{i}.{parent[p]}.{p}" for i in range(2) for p in PROJECTIONS)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    want = [f"model.layers.{i}.{parent[p]}.{p}" for i in range(2) for p in PROJECTIONS]
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want)
 
 
 def test_info_names_the_experts_and_window(checkpoints):
     _, _, folder = checkpoints["window"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+MixtralForCausalLM", result.stdout)
-    facts = json.loads(metalnn_cmd("info", folder, "--json").stdout)
-    assert facts["features"] == ["mixture of experts: 2 of 4 experts per token (hidden 24) on every layer",
-                                 "sliding window 5"]
+    features = ["mixture of experts: 2 of 4 experts per token (hidden 24) on every layer", "sliding window 5"]
+    assert_info_features(folder, "MixtralForCausalLM", features)
 
 
 # -- GGUF ------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from metalnn.llm.tuner import lora
 from metalnn.llm.models import load_pretrained
 
 from gguf_phi3_files import quantizable, write
-from hf_models import hf_greedy, hf_logits, hf_model, max_error, save_and_load, tokens
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_logits_match,
                           assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
@@ -64,12 +64,7 @@ def _hf(name, **overrides):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{family: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name in FAMILIES:
-        hf = _hf(name)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: _hf(name) for name in FAMILIES})
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

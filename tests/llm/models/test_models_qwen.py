@@ -24,7 +24,7 @@ import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import load_pretrained
 
-from hf_models import hf_model, save_and_load, tokens
+from hf_models import hf_model, saved_checkpoints, tokens
 from model_checks import (assert_greedy_matches, assert_logits_match, assert_loss_and_gradients_match,
                           assert_saved_folder_loads_in_transformers)
 
@@ -53,12 +53,8 @@ CLASSES = {"qwen2": mn.models.Qwen2ForCausalLM, "qwen3": mn.models.Qwen3ForCausa
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{family: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, (cfg, cls, kw) in FAMILIES.items():
-        hf = hf_model(cfg, cls, **kw)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    models = {name: hf_model(cfg, cls, **kw) for name, (cfg, cls, kw) in FAMILIES.items()}
+    return saved_checkpoints(tmp_path_factory, models)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -26,13 +26,10 @@ values (each quantized matrix replaced by its quantize-dequantize round trip, a 
 sides hold identical weights and 2e-4 holds again).
 """
 
-import json
 import os
-import re
 
 import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -44,11 +41,10 @@ from metalnn.errors import UnsupportedConfigError
 from metalnn.layers.moe import SparseMoE
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
-from hf_models import hf_greedy, hf_logits, hf_model, max_error, save_and_load, tokens
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_batched_rows_match, assert_greedy_matches,
-                          assert_logits_match, assert_loss_and_gradients_match,
-                          assert_saved_folder_loads_in_transformers)
+                          assert_info_features, assert_logits_match, assert_lora_trains,
+                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -73,12 +69,7 @@ def qwen3_moe(**config):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = qwen3_moe(**kw)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: qwen3_moe(**kw) for name, kw in CONFIGS.items()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -146,29 +137,16 @@ def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
 
 def test_lora_on_every_projection_trains(checkpoints):
     _, _, folder = checkpoints["mixed"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     want = [f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in PROJECTIONS[:4]]
     want += [f"model.layers.1.mlp.{p}" for p in PROJECTIONS[4:]]  # the dense layer's MLP (experts are stacked)
-    assert sorted(paths) == sorted(want)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want)
 
 
 def test_info_names_the_experts(checkpoints):
     _, _, folder = checkpoints["mixed"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+Qwen3MoeForCausalLM", result.stdout)
-    want = ["q/k RMSNorm", "mixture of experts: 2 of 4 experts per token (renormalised)",
-            "dense feed-forward on layers 1"]
-    assert re.search(r"features\s+" + re.escape("; ".join(want)) + "\n", result.stdout), result.stdout
-    assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == want
+    assert_info_features(folder, "Qwen3MoeForCausalLM",
+                         ["q/k RMSNorm", "mixture of experts: 2 of 4 experts per token (renormalised)",
+                          "dense feed-forward on layers 1"])
 
 
 def test_bad_configs_name_the_field():

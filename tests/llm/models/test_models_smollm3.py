@@ -27,13 +27,10 @@ values (each quantized matrix replaced by its quantize-dequantize round trip, a 
 both sides hold identical weights and 2e-4 holds again).
 """
 
-import json
 import os
-import re
 
 import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -44,10 +41,10 @@ import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
-from hf_models import hf_greedy, hf_logits, hf_model, max_error, save_and_load, tokens
-from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_logits_match,
-                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, save_and_load, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
+                          assert_logits_match, assert_lora_trains, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -81,12 +78,8 @@ def with_random_biases(hf, seed=0):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = with_random_biases(smollm3(**kw))
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    models = {name: with_random_biases(smollm3(**kw)) for name, kw in CONFIGS.items()}
+    return saved_checkpoints(tmp_path_factory, models)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -175,28 +168,15 @@ def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
 
 def test_lora_on_every_projection_trains(checkpoints):
     _, _, folder = checkpoints["interval"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     parent = {p: "self_attn" if p in PROJECTIONS[:4] else "mlp" for p in PROJECTIONS}
-    assert sorted(paths) == sorted(f"model.layers.{i}.{parent[p]}.{p}" for i in range(4) for p in PROJECTIONS)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    want = [f"model.layers.{i}.{parent[p]}.{p}" for i in range(4) for p in PROJECTIONS]
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want)
 
 
 def test_info_names_the_nope_and_window_layers(checkpoints):
     _, _, folder = checkpoints["interval"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+SmolLM3ForCausalLM", result.stdout)
-    assert re.search(r"features\s+no RoPE \(NoPE\) on layers 1, 3 of 4; sliding window 4 on layers 1, 3\n",
-                     result.stdout), result.stdout
-    facts = json.loads(metalnn_cmd("info", folder, "--json").stdout)
-    assert facts["features"] == ["no RoPE (NoPE) on layers 1, 3 of 4", "sliding window 4 on layers 1, 3"]
+    assert_info_features(folder, "SmolLM3ForCausalLM",
+                         ["no RoPE (NoPE) on layers 1, 3 of 4", "sliding window 4 on layers 1, 3"])
 
 
 def test_bad_plans_name_the_field():
