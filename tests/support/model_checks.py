@@ -15,8 +15,14 @@ Tolerances (the defaults; a test passes others only with its own reason):
 * ``GRAD_TOL`` = 1e-3 for the loss (relative to the loss) and for the gradient of every parameter,
   relative to the largest entry of that gradient (float32 backward through a few layers: entries
   near zero carry absolute rounding noise, so a per-entry relative bound would be meaningless);
+* ``AUX_TOL`` = 1e-5 relative for an MoE model's load-balancing loss (one float32 reduction);
+* bfloat16 logits within 1.5x transformers' own bfloat16 error against float32 on the rounded weights
+  (the margin is for a different summation order in bfloat16);
 * greedy tokens identical: the tiny random models' top logits are far enough apart that summation
   order never changes an argmax in these runs.
+
+A test module's ``checkpoints`` fixture comes from `hf_models.saved_checkpoints`
+(``{name: (hf, model, folder)}``); the examples below take one of its entries.
 
     from model_checks import assert_logits_match, assert_greedy_matches, assert_batched_rows_match
 
@@ -25,6 +31,8 @@ Tolerances (the defaults; a test passes others only with its own reason):
     assert_batched_rows_match(hf, model, VOCAB)                 # BatchGenerator rows joining late
     assert_loss_and_gradients_match(hf, model, VOCAB, must_include=["model.embed_tokens.weight"])
     assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB)
+    assert_aux_loss_matches(hf, model, VOCAB, ["model.layers.0.mlp.gate.weight"])  # MoE families
+    assert_bfloat16_as_close_as_transformers(folder, VOCAB)
     assert_lora_trains(folder, VOCAB, PROJECTIONS, want_paths)  # LoRA on the family's projections
     assert_info_features(folder, "FooForCausalLM", ["q/k RMSNorm", ...])  # `metalnn info`
 """
