@@ -101,3 +101,15 @@ def small_chunks(model, size=8):
         if "linear_attn" in block:
             block.linear_attn.chunk_size = size
     return model
+
+
+def saved_checkpoints(tmp_path_factory, models, prepare=None):
+    """``{name: (transformers model, metalnn model, folder)}`` for ``{name: transformers model}``: each
+    saved with save_pretrained into its own temporary folder and loaded back with metalnn (then passed
+    through ``prepare``, e.g. `small_chunks`, when given); for a module-scoped ``checkpoints`` fixture."""
+    out = {}
+    for name, hf in models.items():
+        folder = tmp_path_factory.mktemp(name)
+        model = save_and_load(hf, folder)
+        out[name] = (hf, prepare(model) if prepare else model, folder)
+    return out

@@ -25,7 +25,6 @@ so both hold identical weights and the same 2e-4 holds.
 """
 
 import copy
-import json
 import os
 
 import gguf
@@ -41,18 +40,17 @@ from gguf import GGUFValueType as V
 import metalnn as mn
 from metalnn.cli.info import describe, format_facts
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 from metalnn.llm.tuner import lora
 
 from gguf_gemma_files import quantizable, write
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
-                       perturb, relative_error, save_and_load, tokens)
+from hf_models import hf_greedy, hf_logits, hf_model, lm_loss, max_error, perturb, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_bfloat16_as_close_as_transformers,
+                          assert_greedy_matches, assert_logits_match, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, initializer_range=0.2, sliding_window=4, max_position_embeddings=128)
@@ -86,21 +84,14 @@ def gemma(name, **overrides):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{family: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name in FAMILIES:
-        hf = gemma(name)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: gemma(name) for name in FAMILIES})
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_logits_match_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
     assert type(model) is CLASSES[name]
-    toks = tokens(VOCAB, (2, 13), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, label=name)
 
 
 def test_the_soft_caps_change_these_models(checkpoints):
@@ -163,36 +154,21 @@ def test_windows_reach_no_further_than_the_window(checkpoints):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_generation_matches_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 24)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 24) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 24)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=24, label=name)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref) and "model.layers.1.post_feedforward_layernorm.weight" in got
-    for k in ref:
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    assert_loss_and_gradients_match(hf, model, VOCAB, must_include=["model.layers.1.post_feedforward_layernorm.weight"],
+                                    label=name)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == [CLASSES[name].architecture] and cfg["model_type"] == CLASSES[name].model_type
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
-    toks = tokens(VOCAB, (1, 12), seed=4)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
+    assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture=CLASSES[name].architecture,
+                                              model_type=CLASSES[name].model_type)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -200,15 +176,8 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(name, checkpoints):
     """Loaded in bfloat16, the logits stay as close to a float32 run on the bfloat16-rounded weights as
     transformers' own bfloat16 run does (1.5x its error as margin for a different summation order)."""
     _, _, folder = checkpoints[name]
-    toks = tokens(VOCAB, (2, 20), seed=9)
-    rounded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
-                                                                attn_implementation="eager").eval()
-    hf_bf16 = hf_logits(rounded, toks)
-    want = hf_logits(rounded.float(), toks)
-    model = load_pretrained(folder, dtype="bfloat16")
-    got = model(mx.array(toks))
-    assert got.dtype == mx.bfloat16 and model.model.layers[0].mlp.up_proj.weight.dtype == mx.bfloat16
-    assert max_error(got.astype(mx.float32), want) < 1.5 * max_error(hf_bf16, want)
+    model = assert_bfloat16_as_close_as_transformers(folder, VOCAB)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == mx.bfloat16
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -244,18 +213,8 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned per-row caches, rows joining while others decode): each
     row's tokens are transformers' greedy continuation of its prompt alone."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (9, 3, 6)]
-    limits = [14, 20, 9]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0])]
-    gen.step()
-    gen.step()
-    seqs += [gen.add(p, n) for p, n in zip(prompts[1:], limits[1:])]
-    while gen:
-        gen.step()
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB, seed=9, prompt_lengths=(9, 3, 6), limits=(14, 20, 9), first=1,
+                              join_after=2, prefill_chunk=4)
 
 
 # -- GGUF ---------------------------------------------------------------------------------------------------------

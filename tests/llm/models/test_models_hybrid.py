@@ -28,13 +28,13 @@ from metalnn.errors import UnsupportedConfigError, WeightLoadError
 from metalnn.llm.models import load_pretrained
 
 from memory import peak_above_active
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, small_chunks, tokens)
+from hf_models import hf_logits, hf_model, lm_loss, max_error, saved_checkpoints, small_chunks, tokens
+from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_bfloat16_as_close_as_transformers,
+                          assert_greedy_matches, assert_logits_match, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 HYBRID = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -55,12 +55,8 @@ CLASSES = {"qwen3_5": mn.models.Qwen3_5ForCausalLM, "qwen3_next": mn.models.Qwen
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{family: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, (cfg, cls, kw) in FAMILIES.items():
-        hf = hf_model(cfg, cls, **kw)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, small_chunks(save_and_load(hf, folder)), folder)
-    return out
+    models = {name: hf_model(cfg, cls, **kw) for name, (cfg, cls, kw) in FAMILIES.items()}
+    return saved_checkpoints(tmp_path_factory, models, prepare=small_chunks)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -70,10 +66,9 @@ def test_logits_match_transformers(name, checkpoints):
     kinds = [("linear_attn" in b, "self_attn" in b) for b in model.model.layers]
     assert kinds == [(True, False), (False, True), (True, False)]
     toks = tokens(VOCAB, (2, 20), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, toks=toks, label=name)
     short = toks[:, :5]  # below 16 tokens the recurrent form runs
-    assert max_error(model(mx.array(short)), hf_logits(hf, short)) < LOGITS_TOL
+    assert_logits_match(hf, model, VOCAB, toks=short, label=f"{name}, 5 tokens")
 
 
 def test_experts_per_token_and_shared_expert(checkpoints):
@@ -87,11 +82,7 @@ def test_experts_per_token_and_shared_expert(checkpoints):
 def test_greedy_generation_matches_transformers(name, checkpoints):
     """Prefill (chunked rule) then one recurrent step per token, against transformers' cache."""
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 18), seed=2)
-    want = hf_greedy(hf, prompt, 22)
-    assert len(set(want[0].tolist())) > 3
-    assert mn.generate(model, prompt[0].tolist(), 22) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 22)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=22, shape=(3, 18), label=name)
     cache = model.make_cache()
     assert [type(c).__name__ for c in cache] == ["GatedDeltaCache", "KVCache", "GatedDeltaCache"]
 
@@ -99,61 +90,25 @@ def test_greedy_generation_matches_transformers(name, checkpoints):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 19), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref)
     must = ["model.embed_tokens.weight", "model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.dt_bias",
             "model.layers.0.linear_attn.conv1d.weight", "model.layers.1.self_attn.q_proj.weight"]
     if name == "qwen3_next":
         must += ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
                  "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight"]
-    assert set(must) <= set(got)
-    for k in ref:
-        assert np.abs(ref[k]).max() > 0, k
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    assert_loss_and_gradients_match(hf, model, VOCAB, shape=(2, 19), must_include=must, nonzero=True, label=name)
 
 
 def test_aux_loss_matches_transformers(checkpoints):
     """The load-balancing loss, added with router_aux_loss_coef, and the gradients of the total."""
     hf, model, _ = checkpoints["qwen3_next"]
-    toks = tokens(VOCAB, (2, 9), seed=4)
-    with torch.no_grad():
-        want_aux = hf(torch.tensor(toks), output_router_logits=True).aux_loss.item()
-    ref_loss, ref = hf_loss_and_grads(hf, toks, output_router_logits=True)
-    coef = model.config["router_aux_loss_coef"]
-
-    def total(m, t, device):
-        return lm_loss(m, t, device) + coef * m.aux_loss()
-
-    model.output_router_logits = True
-    try:
-        model(mx.array(toks))
-        assert abs(model.aux_loss().item() - want_aux) < 1e-5 * want_aux
-        assert model.router_logits() == []  # aux_loss releases them
-        loss, got = mn_loss_and_grads(model, toks, total)
-    finally:
-        model.output_router_logits = False
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    for k in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"):
-        assert relative_error(got[k], ref[k]) < GRAD_TOL, k
-    with pytest.raises(ValueError, match="output_router_logits"):
-        model.aux_loss()
+    assert_aux_loss_matches(hf, model, VOCAB, ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"])
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == [CLASSES[name].architecture] and cfg["model_type"] == CLASSES[name].model_type
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
-    toks = tokens(VOCAB, (1, 12), seed=5)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
-    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
+    assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture=CLASSES[name].architecture,
+                                              model_type=CLASSES[name].model_type, seed=5, reload=True)
 
 
 def test_bfloat16_is_as_close_as_transformers_bfloat16(checkpoints):
@@ -161,15 +116,8 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(checkpoints):
     stay as close to a float32 run on the bfloat16-rounded weights as transformers' own bfloat16
     run does (1.5x its error as margin for a different summation order)."""
     _, _, folder = checkpoints["qwen3_next"]
-    toks = tokens(VOCAB, (2, 20), seed=9)
-    rounded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
-                                                                attn_implementation="eager").eval()
-    hf_bf16 = hf_logits(rounded, toks)
-    want = hf_logits(rounded.float(), toks)
-    model = load_pretrained(folder, dtype="bfloat16")
-    got = model(mx.array(toks))
-    assert got.dtype == mx.bfloat16 and model.model.layers[0].mlp.experts.gate_up_proj.dtype == mx.bfloat16
-    assert max_error(got.astype(mx.float32), want) < 1.5 * max_error(hf_bf16, want)
+    model = assert_bfloat16_as_close_as_transformers(folder, VOCAB)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == mx.bfloat16
 
 
 def test_text_model_of_a_multimodal_qwen3_5_folder(tmp_path):

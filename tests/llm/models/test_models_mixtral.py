@@ -18,13 +18,10 @@ against transformers holding the Q8_0 round trip of the quantized matrices). The
 compared the same way here, so 2e-4 holds again.
 """
 
-import json
 import os
-import re
 
 import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -33,17 +30,15 @@ from gguf import GGMLQuantizationType as Q
 
 import metalnn as mn
 from metalnn.errors import WeightLoadError
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_batched_rows_match, assert_greedy_matches,
+                          assert_info_features, assert_logits_match, assert_lora_trains,
+                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2,
@@ -59,12 +54,7 @@ def mixtral(seed=0, **config):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, cfg in CONFIGS.items():
-        hf = mixtral(**cfg)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: mixtral(**cfg) for name, cfg in CONFIGS.items()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -74,9 +64,7 @@ def test_logits_match_transformers(name, checkpoints):
     moe = model.model.layers[0].mlp
     assert type(moe).__name__ == "SparseMoE" and (moe.num_experts, moe.top_k) == (4, 2) and "shared_expert" not in moe
     assert model.model.layers[0].self_attn.sliding_window == CONFIGS[name].get("sliding_window")
-    toks = tokens(VOCAB, (2, 20), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, shape=(2, 20), label=name)
 
 
 def test_checkpoints_hold_experts_per_expert(checkpoints):
@@ -91,11 +79,7 @@ def test_checkpoints_hold_experts_per_expert(checkpoints):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_matches_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 9), seed=2)
-    want = hf_greedy(hf, prompt, 22)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 22) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 22)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=22, shape=(3, 9), label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -103,76 +87,29 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
     tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 13), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref)
-    assert {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj",
-            "model.layers.1.mlp.experts.down_proj"} <= set(got)
-    for k in ref:
-        assert np.abs(ref[k]).max() > 0, k
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    must = ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj",
+            "model.layers.1.mlp.experts.down_proj"]
+    assert_loss_and_gradients_match(hf, model, VOCAB, shape=(2, 13), must_include=must, nonzero=True, label=name)
 
 
 def test_aux_loss_matches_transformers(checkpoints):
     """The load-balancing loss, added with router_aux_loss_coef, and the gradients of the total."""
     hf, model, _ = checkpoints["full"]
-    toks = tokens(VOCAB, (2, 9), seed=4)
-    with torch.no_grad():
-        want_aux = hf(torch.tensor(toks), output_router_logits=True).aux_loss.item()
-    ref_loss, ref = hf_loss_and_grads(hf, toks, output_router_logits=True)
-    coef = model.config["router_aux_loss_coef"]
-
-    def total(m, t, device):
-        return lm_loss(m, t, device) + coef * m.aux_loss()
-
-    model.output_router_logits = True
-    try:
-        model(mx.array(toks))
-        assert abs(model.aux_loss().item() - want_aux) < 1e-5 * want_aux
-        assert model.router_logits() == []  # aux_loss releases them
-        loss, got = mn_loss_and_grads(model, toks, total)
-    finally:
-        model.output_router_logits = False
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    for k in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"):
-        assert relative_error(got[k], ref[k]) < GRAD_TOL, k
-    with pytest.raises(ValueError, match="output_router_logits"):
-        model.aux_loss()
+    assert_aux_loss_matches(hf, model, VOCAB, ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["model_type"] == "mixtral"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf) and back.config.sliding_window == hf.config.sliding_window
-    toks = tokens(VOCAB, (1, 12), seed=5)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
-    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
+    back = assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="MixtralForCausalLM",
+                                                     model_type="mixtral", seed=5, reload=True)
+    assert back.config.sliding_window == hf.config.sliding_window
 
 
 def test_stacked_experts_load_too(checkpoints, tmp_path):
@@ -200,27 +137,15 @@ def test_incomplete_experts_are_reported(checkpoints, tmp_path):
 
 def test_lora_on_attention_and_router_trains(checkpoints):
     _, _, folder = checkpoints["window"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     parent = {p: "self_attn" if p != "gate" else "mlp" for p in PROJECTIONS}
-    assert sorted(paths) == sorted(f"model.layers.{i}.{parent[p]}.{p}" for i in range(2) for p in PROJECTIONS)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    want = [f"model.layers.{i}.{parent[p]}.{p}" for i in range(2) for p in PROJECTIONS]
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want)
 
 
 def test_info_names_the_experts_and_window(checkpoints):
     _, _, folder = checkpoints["window"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+MixtralForCausalLM", result.stdout)
-    facts = json.loads(metalnn_cmd("info", folder, "--json").stdout)
-    assert facts["features"] == ["mixture of experts: 2 of 4 experts per token (hidden 24) on every layer",
-                                 "sliding window 5"]
+    features = ["mixture of experts: 2 of 4 experts per token (hidden 24) on every layer", "sliding window 5"]
+    assert_info_features(folder, "MixtralForCausalLM", features)
 
 
 # -- GGUF ------------------------------------------------------------------------------------------------

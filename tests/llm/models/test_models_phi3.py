@@ -34,17 +34,15 @@ import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.layers import FusedGateUpMLP, FusedQKVAttention
 from metalnn.llm.tuner import lora
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
 from gguf_phi3_files import quantizable, write
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_logits_match,
+                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 ORIGINAL = 32
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -66,12 +64,7 @@ def _hf(name, **overrides):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{family: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name in FAMILIES:
-        hf = _hf(name)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: _hf(name) for name in FAMILIES})
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -80,9 +73,7 @@ def test_logits_match_transformers(name, length, checkpoints):
     """13 positions: LongRoPE's short factors; 41 (past the original 32): its long factors."""
     hf, model, _ = checkpoints[name]
     assert type(model) is mn.models.Phi3ForCausalLM
-    toks = tokens(VOCAB, (2, length), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, shape=(2, length), label=name)
 
 
 def test_layers_carry_the_configs_options(checkpoints):
@@ -117,11 +108,7 @@ def test_greedy_generation_matches_transformers(name, checkpoints):
     """7 + 24 positions: below LongRoPE's switch (transformers' generate recomputes its cache when a sequence
     crosses it; see test_cached_steps_across_the_switch_match_transformers for the crossing)."""
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 24)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 24) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 24)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=24, label=name)
 
 
 def test_cached_steps_across_the_switch_match_transformers(checkpoints):
@@ -148,27 +135,15 @@ def test_cached_steps_across_the_switch_match_transformers(checkpoints):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref) and "model.layers.1.self_attn.qkv_proj.weight" in got
-    for k in ref:
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    assert_loss_and_gradients_match(hf, model, VOCAB, must_include=["model.layers.1.self_attn.qkv_proj.weight"],
+                                    label=name)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["Phi3ForCausalLM"] and cfg["model_type"] == "phi3"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
-    for length in (12, ORIGINAL + 3):
-        toks = tokens(VOCAB, (1, length), seed=4)
-        assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
+    assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="Phi3ForCausalLM",
+                                              model_type="phi3", lengths=(12, ORIGINAL + 3))
 
 
 def test_lora_on_the_fused_projections_trains(checkpoints):
@@ -274,13 +249,6 @@ def test_batch_generator_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """Rows of different lengths decode together (per-row positions through `cache.positions`, each row's mask
     and window through `cache.key_mask`); with LongRoPE the longest rows cross the switch while the others do
     not, each row choosing its own factors, as it does alone."""
-    _, model, _ = checkpoints[name]
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 24, 9)]
-    lengths = [14, 16, 20]
-    gen = BatchGenerator(model, prefill_chunk=8)
-    seqs = [gen.add(p, n) for p, n in zip(prompts, lengths)]
-    while gen:
-        gen.step()
-    for seq, p, n in zip(seqs, prompts, lengths):
-        assert seq.tokens == mn.generate(model, p, n, eos_token_id=())
+    hf, model, _ = checkpoints[name]
+    assert_batched_rows_match(hf, model, VOCAB, seed=11, prompt_lengths=(3, 24, 9), limits=(14, 16, 20), first=3,
+                              prefill_chunk=8, lone=lambda p, n: mn.generate(model, p, n, eos_token_id=()))

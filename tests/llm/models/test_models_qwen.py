@@ -24,13 +24,12 @@ import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import load_pretrained
 
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+from hf_models import hf_model, saved_checkpoints, tokens
+from model_checks import (assert_greedy_matches, assert_logits_match, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, initializer_range=0.2)
@@ -54,21 +53,15 @@ CLASSES = {"qwen2": mn.models.Qwen2ForCausalLM, "qwen3": mn.models.Qwen3ForCausa
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{family: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, (cfg, cls, kw) in FAMILIES.items():
-        hf = hf_model(cfg, cls, **kw)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    models = {name: hf_model(cfg, cls, **kw) for name, (cfg, cls, kw) in FAMILIES.items()}
+    return saved_checkpoints(tmp_path_factory, models)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_logits_match_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
     assert type(model) is CLASSES[name]
-    toks = tokens(VOCAB, (2, 13), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, label=name)
 
 
 def test_windows_and_options_are_the_configs():
@@ -90,36 +83,20 @@ def test_windows_and_options_are_the_configs():
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_generation_matches_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 24)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 24) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 24)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=24, label=name)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref) and "model.embed_tokens.weight" in got
-    for k in ref:
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    assert_loss_and_gradients_match(hf, model, VOCAB, must_include=["model.embed_tokens.weight"], label=name)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == [CLASSES[name].architecture] and cfg["model_type"] == CLASSES[name].model_type
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
-    toks = tokens(VOCAB, (1, 12), seed=4)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
+    assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture=CLASSES[name].architecture,
+                                              model_type=CLASSES[name].model_type)
 
 
 def test_unknown_layer_type_and_rope_type_are_named(checkpoints, tmp_path):

@@ -26,13 +26,10 @@ values (each quantized matrix replaced by its quantize-dequantize round trip, a 
 sides hold identical weights and 2e-4 holds again).
 """
 
-import json
 import os
-import re
 
 import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -42,17 +39,15 @@ from gguf import GGMLQuantizationType as Q
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.layers.moe import SparseMoE
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_batched_rows_match, assert_greedy_matches,
+                          assert_info_features, assert_logits_match, assert_lora_trains,
+                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, initializer_range=0.2,
             max_position_embeddings=256, moe_intermediate_size=8)
@@ -74,21 +69,14 @@ def qwen3_moe(**config):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = qwen3_moe(**kw)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: qwen3_moe(**kw) for name, kw in CONFIGS.items()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
     assert type(model) is mn.models.Qwen3MoeForCausalLM
-    toks = tokens(VOCAB, (2, 13), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, label=name)
 
 
 def test_layers_carry_the_configs_plan(checkpoints):
@@ -113,11 +101,7 @@ def test_layers_carry_the_configs_plan(checkpoints):
 def test_greedy_generation_matches_transformers(name, checkpoints):
     """Through the caches (the fused decoding step runs the dense blocks and declines the MoE ones)."""
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 24)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 24) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 24)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=24, label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -125,105 +109,44 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
     tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref)
     i = SPARSE[name][0]
-    assert {f"model.layers.{i}.mlp.experts.gate_up_proj", f"model.layers.{i}.mlp.experts.down_proj",
-            f"model.layers.{i}.mlp.gate.weight", "model.layers.0.self_attn.q_norm.weight"} <= set(got)
-    for k in ref:
-        assert np.abs(ref[k]).max() > 0, k
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    must = [f"model.layers.{i}.mlp.experts.gate_up_proj", f"model.layers.{i}.mlp.experts.down_proj",
+            f"model.layers.{i}.mlp.gate.weight", "model.layers.0.self_attn.q_norm.weight"]
+    assert_loss_and_gradients_match(hf, model, VOCAB, must_include=must, nonzero=True, label=name)
 
 
 def test_aux_loss_matches_transformers(checkpoints):
     """The load-balancing loss, added with router_aux_loss_coef, and the gradients of the total."""
     hf, model, _ = checkpoints["mixed"]
-    toks = tokens(VOCAB, (2, 9), seed=4)
-    with torch.no_grad():
-        want_aux = hf(torch.tensor(toks), output_router_logits=True).aux_loss.item()
-    ref_loss, ref = hf_loss_and_grads(hf, toks, output_router_logits=True)
-    coef = model.config["router_aux_loss_coef"]
-
-    def total(m, t, device):
-        return lm_loss(m, t, device) + coef * m.aux_loss()
-
-    model.output_router_logits = True
-    try:
-        model(mx.array(toks))
-        assert abs(model.aux_loss().item() - want_aux) < 1e-5 * want_aux
-        assert model.router_logits() == []  # aux_loss releases them
-        loss, got = mn_loss_and_grads(model, toks, total)
-    finally:
-        model.output_router_logits = False
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    for k in ("model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"):
-        assert relative_error(got[k], ref[k]) < GRAD_TOL, k
-    with pytest.raises(ValueError, match="output_router_logits"):
-        model.aux_loss()
+    assert_aux_loss_matches(hf, model, VOCAB, ["model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["model_type"] == "qwen3_moe"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
+    back = assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="Qwen3MoeForCausalLM",
+                                                     model_type="qwen3_moe", reload=True)
     assert back.config.num_experts == hf.config.num_experts and back.config.mlp_only_layers == hf.config.mlp_only_layers
-    toks = tokens(VOCAB, (1, 12), seed=4)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
-    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
 
 
 def test_lora_on_every_projection_trains(checkpoints):
     _, _, folder = checkpoints["mixed"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     want = [f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in PROJECTIONS[:4]]
     want += [f"model.layers.1.mlp.{p}" for p in PROJECTIONS[4:]]  # the dense layer's MLP (experts are stacked)
-    assert sorted(paths) == sorted(want)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want)
 
 
 def test_info_names_the_experts(checkpoints):
     _, _, folder = checkpoints["mixed"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+Qwen3MoeForCausalLM", result.stdout)
-    want = ["q/k RMSNorm", "mixture of experts: 2 of 4 experts per token (renormalised)",
-            "dense feed-forward on layers 1"]
-    assert re.search(r"features\s+" + re.escape("; ".join(want)) + "\n", result.stdout), result.stdout
-    assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == want
+    assert_info_features(folder, "Qwen3MoeForCausalLM",
+                         ["q/k RMSNorm", "mixture of experts: 2 of 4 experts per token (renormalised)",
+                          "dense feed-forward on layers 1"])
 
 
 def test_bad_configs_name_the_field():

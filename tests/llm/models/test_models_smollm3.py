@@ -27,13 +27,10 @@ values (each quantized matrix replaced by its quantize-dequantize round trip, a 
 both sides hold identical weights and 2e-4 holds again).
 """
 
-import json
 import os
-import re
 
 import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -42,17 +39,15 @@ from gguf import GGMLQuantizationType as Q
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, save_and_load, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
+                          assert_logits_match, assert_lora_trains, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, initializer_range=0.2,
             max_position_embeddings=256)
@@ -83,21 +78,15 @@ def with_random_biases(hf, seed=0):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = with_random_biases(smollm3(**kw))
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    models = {name: with_random_biases(smollm3(**kw)) for name, kw in CONFIGS.items()}
+    return saved_checkpoints(tmp_path_factory, models)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
     assert type(model) is mn.models.SmolLM3ForCausalLM
-    toks = tokens(VOCAB, (2, 13), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -143,11 +132,7 @@ def test_a_nope_layer_is_blind_to_order(tmp_path):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_matches_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 24)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 24) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 24)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=24, label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -155,79 +140,43 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
     tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref) and "model.embed_tokens.weight" in got
-    scale = max(float(np.abs(g).max()) for g in ref.values())
     nope = [i for i, r in enumerate(hf.config.no_rope_layers[:hf.config.num_hidden_layers]) if not r]
-    for k in ref:
-        if any(k == f"model.layers.{i}.self_attn.k_proj.bias" for i in nope):
+    blind = [f"model.layers.{i}.self_attn.k_proj.bias" for i in nope]
+    _, got, _, ref = assert_loss_and_gradients_match(hf, model, VOCAB, must_include=["model.embed_tokens.weight"],
+                                                     skip=blind, label=name)
+    scale = max(float(np.abs(g).max()) for g in ref.values())
+    for k in blind:
+        if k in ref:
             # without RoPE a key bias shifts every score of a query equally: the softmax ignores it,
             # so its gradient is 0 (both sides give float32 rounding noise, ~1e-8 of the largest gradient)
             assert max_error(got[k], 0) < 1e-6 * scale and max_error(ref[k], 0) < 1e-6 * scale, k
-            continue
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["SmolLM3ForCausalLM"] and cfg["model_type"] == "smollm3"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
+    back = assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="SmolLM3ForCausalLM",
+                                                     model_type="smollm3")
     assert back.config.no_rope_layers == hf.config.no_rope_layers and back.config.layer_types == hf.config.layer_types
-    toks = tokens(VOCAB, (1, 12), seed=4)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
 
 
 def test_lora_on_every_projection_trains(checkpoints):
     _, _, folder = checkpoints["interval"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     parent = {p: "self_attn" if p in PROJECTIONS[:4] else "mlp" for p in PROJECTIONS}
-    assert sorted(paths) == sorted(f"model.layers.{i}.{parent[p]}.{p}" for i in range(4) for p in PROJECTIONS)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    want = [f"model.layers.{i}.{parent[p]}.{p}" for i in range(4) for p in PROJECTIONS]
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want)
 
 
 def test_info_names_the_nope_and_window_layers(checkpoints):
     _, _, folder = checkpoints["interval"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+SmolLM3ForCausalLM", result.stdout)
-    assert re.search(r"features\s+no RoPE \(NoPE\) on layers 1, 3 of 4; sliding window 4 on layers 1, 3\n",
-                     result.stdout), result.stdout
-    facts = json.loads(metalnn_cmd("info", folder, "--json").stdout)
-    assert facts["features"] == ["no RoPE (NoPE) on layers 1, 3 of 4", "sliding window 4 on layers 1, 3"]
+    assert_info_features(folder, "SmolLM3ForCausalLM",
+                         ["no RoPE (NoPE) on layers 1, 3 of 4", "sliding window 4 on layers 1, 3"])
 
 
 def test_bad_plans_name_the_field():
