@@ -1,4 +1,5 @@
-"""Tiny qwen3next / qwen35 / qwen35moe GGUF files written from transformers models the way llama.cpp's converter writes them.
+"""Tiny qwen3next / qwen35 / qwen35moe GGUF files written from transformers models the way llama.cpp's converter
+writes them.
 
 The transforms follow ggml-org/llama.cpp ``convert_hf_to_gguf.py`` at commit
 0024aa7417efd50a7c2a79e049dfbbbceb0beaaf: ``Qwen3NextModel`` (``A_log`` -> ``-exp(A_log)``, ``dt_bias`` ->
@@ -6,8 +7,8 @@ The transforms follow ggml-org/llama.cpp ``convert_hf_to_gguf.py`` at commit
 split into ``attn_qkv`` and ``attn_gate``, ``set_gguf_parameters``), ``Qwen2MoeModel`` (``experts.gate_up_proj``
 split into gate and up, ``experts.down_proj`` kept) and ``_LinearAttentionVReorderBase`` / ``Qwen3_5TextModel``
 (value heads from grouped to tiled order when there are fewer key than value heads); ``Qwen3_5MoeTextModel`` is
-both (Qwen3.5's projections and head order, Qwen3-Next's experts; no ``feed_forward_length``: no dense layers). Names come from gguf-py's
-own table (``gguf.get_tensor_name_map``). Nothing here uses metalnn.
+both (Qwen3.5's projections and head order, Qwen3-Next's experts; no ``feed_forward_length``: no dense layers).
+Names come from gguf-py's own table (``gguf.get_tensor_name_map``). Nothing here uses metalnn.
 """
 
 from __future__ import annotations

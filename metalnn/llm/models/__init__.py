@@ -44,8 +44,8 @@ from .smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
            "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-           "SmolLM3ForCausalLM",
+           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+           "Qwen3_5MoeForCausalLM", "SmolLM3ForCausalLM",
            "Tokenizer",
            "UnsupportedConfigError", "char_tokenizer", "from_config", "gguf", "llama_config", "load_pretrained",
            "load_tokenizer", "model_class", "read_config", "read_gguf", "register"]

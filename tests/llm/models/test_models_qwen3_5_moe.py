@@ -262,9 +262,10 @@ def test_text_model_of_a_multimodal_folder(tmp_path):
     decides the tying."""
     text = {k: v for k, v in CONFIGS["grouped"].items() if k != "tie_word_embeddings"}
     torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4,
+                  num_position_embeddings=16)
     cfg = transformers.Qwen3_5MoeConfig(text_config=dict(text, tie_word_embeddings=True), tie_word_embeddings=False,
-                                        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
-                                                           out_hidden_size=32, patch_size=4, num_position_embeddings=16))
+                                        vision_config=vision)
     hf = transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval()
     perturb_zero_centred(hf)
     hf.save_pretrained(tmp_path)
@@ -403,8 +404,9 @@ def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
     assert model.moe_layers()[0].top_k == 2 and "shared_expert" in model.moe_layers()[0]
     if qtype == Q.Q8_0:  # matrices stay 8-bit; the router (F32 in the file) and the stacked experts come out float
         kinds = {p: type(m).__name__ for p, m in model.named_modules()}
-        packed = ["model.embed_tokens", "lm_head", "model.layers.1.self_attn.q_proj", "model.layers.0.linear_attn.out_proj",
-                  "model.layers.0.linear_attn.in_proj_qkv", "model.layers.1.mlp.shared_expert.down_proj"]
+        packed = ["model.embed_tokens", "lm_head", "model.layers.1.self_attn.q_proj",
+                  "model.layers.0.linear_attn.out_proj", "model.layers.0.linear_attn.in_proj_qkv",
+                  "model.layers.1.mlp.shared_expert.down_proj"]
         assert all(kinds[n].startswith("Quantized") for n in packed), {n: kinds[n] for n in packed}
         assert kinds["model.layers.0.mlp.gate"] == "Linear" and kinds["model.layers.0.mlp.experts"] == "SwitchGLU"
     toks = tokens(VOCAB, (2, 20), seed=1)
