@@ -1,12 +1,14 @@
-"""Tiny qwen3next / qwen35 GGUF files written from transformers models the way llama.cpp's converter writes them.
+"""Tiny qwen3next / qwen35 / qwen35moe GGUF files written from transformers models the way llama.cpp's converter
+writes them.
 
 The transforms follow ggml-org/llama.cpp ``convert_hf_to_gguf.py`` at commit
 0024aa7417efd50a7c2a79e049dfbbbceb0beaaf: ``Qwen3NextModel`` (``A_log`` -> ``-exp(A_log)``, ``dt_bias`` ->
 ``dt_proj.bias``, ``conv1d`` squeezed, ``+ 1`` on every ``norm.weight`` but ``linear_attn.norm``, ``in_proj_qkvz``
 split into ``attn_qkv`` and ``attn_gate``, ``set_gguf_parameters``), ``Qwen2MoeModel`` (``experts.gate_up_proj``
 split into gate and up, ``experts.down_proj`` kept) and ``_LinearAttentionVReorderBase`` / ``Qwen3_5TextModel``
-(value heads from grouped to tiled order when there are fewer key than value heads). Names come from gguf-py's
-own table (``gguf.get_tensor_name_map``). Nothing here uses metalnn.
+(value heads from grouped to tiled order when there are fewer key than value heads); ``Qwen3_5MoeTextModel`` is
+both (Qwen3.5's projections and head order, Qwen3-Next's experts; no ``feed_forward_length``: no dense layers).
+Names come from gguf-py's own table (``gguf.get_tensor_name_map``). Nothing here uses metalnn.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def reorder_v_heads(t, dim, num_k_heads, num_v_per_k, head_dim):
 
 
 def _v_reorder(name, t, h):
-    """``_LinearAttentionVReorderBase.modify_tensors`` (qwen35 only)."""
+    """``_LinearAttentionVReorderBase.modify_tensors`` (qwen35 and qwen35moe)."""
     nk, nv = h["linear_num_key_heads"], h["linear_num_value_heads"]
     if nk == nv or "linear_attn." not in name:
         return t
@@ -70,7 +72,7 @@ def converted_tensors(model, arch):
         t = t.detach().float()
         if name.startswith("mtp") or (h["tie_word_embeddings"] and name == "lm_head.weight"):
             continue
-        if arch == "qwen35":
+        if arch in ("qwen35", "qwen35moe"):
             t = _v_reorder(name, t, h)
         bid = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         if name.endswith(".A_log"):
@@ -100,9 +102,12 @@ def converted_tensors(model, arch):
 
 
 def quantizable(name, shape):
-    """Whether the Q8_0 files store this tensor quantized: matrices (and stacked experts) whose rows split into
-    32-value blocks; norms, biases, ``ssm_a`` and the convolution stay float32 as llama.cpp keeps them."""
-    return len(shape) >= 2 and shape[-1] % 32 == 0 and "conv1d" not in name and "norm" not in name
+    """Whether the Q8_0 files store this tensor quantized (``name``: GGUF's or Hugging Face's): matrices (and
+    stacked experts) whose rows split into 32-value blocks; norms, biases, ``ssm_a``, the convolution and the
+    routers (``ffn_gate_inp``, ``ffn_gate_inp_shexp``: ``mlp.gate``, ``mlp.shared_expert_gate``) stay float32 as
+    llama.cpp keeps them."""
+    router = "ffn_gate_inp" in name or name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight"))
+    return len(shape) >= 2 and shape[-1] % 32 == 0 and "conv1d" not in name and "norm" not in name and not router
 
 
 def write(path, model, arch, *, qtype=Q.F32, metadata=None, drop=()):
@@ -116,14 +121,15 @@ def write(path, model, arch, *, qtype=Q.F32, metadata=None, drop=()):
     w.add_block_count(h["num_hidden_layers"])
     w.add_context_length(h["max_position_embeddings"])
     w.add_embedding_length(h["hidden_size"])
-    w.add_feed_forward_length(h["intermediate_size"])
+    if "intermediate_size" in h:  # (Qwen3.5-MoE has none)
+        w.add_feed_forward_length(h["intermediate_size"])
     w.add_head_count(h["num_attention_heads"])
     w.add_head_count_kv(h["num_key_value_heads"])
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(h["rms_norm_eps"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    if arch == "qwen3next":
+    if arch in ("qwen3next", "qwen35moe"):
         w.add_expert_count(h["num_experts"])
         w.add_expert_used_count(h["num_experts_per_tok"])
         w.add_expert_feed_forward_length(h["moe_intermediate_size"])

@@ -73,6 +73,9 @@ class Converter:
     #: whether the converter passes GGML blocks through (row transforms only); a converter that regroups
     #: columns sets False and gets Q4_0 ... Q8_0 as MLX's affine groups, the other block types as float32
     keeps_ggml_blocks = True
+    #: whether the files carry ``feed_forward_length`` (the dense MLP's width, ``intermediate_size``); False for
+    #: models whose every feed-forward block is sparse experts
+    has_feed_forward_length = True
 
     def __init__(self, header: GGUFHeader):
         self.header = header
@@ -97,11 +100,12 @@ class Converter:
     def config(self) -> dict:
         """The Hugging Face config keys the metadata describes (common keys, then `extra_config`)."""
         header, meta, p = self.header, self.header.metadata, self.prefix
-        missing = [k for k in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
-                   if p + k not in meta]
+        required = ("block_count", "embedding_length", "attention.head_count")
+        required += ("feed_forward_length",) if self.has_feed_forward_length else ()
+        missing = [k for k in required if p + k not in meta]
         if missing:
             raise UnsupportedConfigError(f"{header.path}: GGUF metadata lacks {', '.join(p + k for k in missing)}")
-        for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+        for key in required:
             value = meta[p + key]
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise UnsupportedConfigError(f"{header.path}: {p}{key} = {value!r}; expected a positive integer")
@@ -123,7 +127,6 @@ class Converter:
         cfg = {
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            "intermediate_size": int(meta[p + "feed_forward_length"]),
             "num_hidden_layers": int(meta[p + "block_count"]),
             "num_attention_heads": heads,
             "num_key_value_heads": int(kv_heads),
@@ -140,6 +143,8 @@ class Converter:
             "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         }
+        if self.has_feed_forward_length:
+            cfg["intermediate_size"] = int(meta[p + "feed_forward_length"])
         rope_dims = meta.get(p + "rope.dimension_count")
         if rope_dims is not None and int(rope_dims) != head_dim:
             cfg["partial_rotary_factor"] = int(rope_dims) / head_dim
@@ -166,7 +171,8 @@ class Converter:
             raise UnsupportedConfigError(f"{header.path}: {p}embedding_length = {cfg['hidden_size']}, but "
                                          f"token_embd.weight has rows of {table.shape[1]}")
         up = header.tensors.get("blk.0.ffn_up.weight")
-        if up is not None and len(up.shape) == 2 and up.shape[0] != cfg["intermediate_size"]:
+        if (up is not None and len(up.shape) == 2 and "intermediate_size" in cfg
+                and up.shape[0] != cfg["intermediate_size"]):
             raise UnsupportedConfigError(f"{header.path}: {p}feed_forward_length = {cfg['intermediate_size']}, but "
                                          f"blk.0.ffn_up.weight has {up.shape[0]} rows")
         q = header.tensors.get("blk.0.attn_q.weight")

@@ -6,7 +6,7 @@
 >>> model.save_pretrained("out/")                                   # transformers can load it
 
 One architecture a module (``llama``, ``gpt2``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral``, ``mixtral``,
-``qwen3_next``, ``qwen3_5``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
+``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
 subclass built from shared blocks (`metalnn.layers`, `decoder`, `hybrid`, `rope`, `experts`) that registers itself
 in `ARCHITECTURES` (`registry`: keyed by Hugging Face architecture, ``model_type`` and GGUF architecture). Checkpoints:
 Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) and Hub names
@@ -15,6 +15,7 @@ Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) a
 Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3NextForCausalLM``,
 ``Qwen3_5ForCausalLM`` (also the text model of a ``Qwen3_5ForConditionalGeneration`` folder),
+``Qwen3_5MoeForCausalLM`` (also the text model of a ``Qwen3_5MoeForConditionalGeneration`` folder),
 ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM`` and ``MixtralForCausalLM``.
 """
 
@@ -35,6 +36,7 @@ from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5ForCausalLM
+from .qwen3_5_moe import Qwen3_5MoeForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
 from .qwen3_next import Qwen3NextForCausalLM
 from .registry import ARCHITECTURES, model_class, register
@@ -42,7 +44,8 @@ from .smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
            "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "SmolLM3ForCausalLM",
+           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+           "Qwen3_5MoeForCausalLM", "SmolLM3ForCausalLM",
            "Tokenizer",
            "UnsupportedConfigError", "char_tokenizer", "from_config", "gguf", "llama_config", "load_pretrained",
            "load_tokenizer", "model_class", "read_config", "read_gguf", "register"]

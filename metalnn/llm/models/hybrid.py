@@ -1,5 +1,6 @@
-"""Shared pieces of the hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5): which layers are linear
-attention, the two token mixers, the per-layer caches and the checks of the linear-attention sizes.
+"""Shared pieces of the hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): which layers are
+linear attention, the two token mixers, the per-layer caches, the checks of the linear-attention sizes and
+the text model's tensor names in a multimodal Qwen3.5 folder.
 
 Both architectures use zero-centred RMSNorms (gain ``1 + weight``, `NORM_OFFSET`) everywhere except
 the gated norm inside `GatedDeltaNet`.
@@ -15,6 +16,8 @@ from .base import refuse
 from .decoder import check_layer_types
 
 HYBRID = ("linear_attention", "full_attention")
+#: where a multimodal Qwen3.5 folder (``...ForConditionalGeneration``) keeps the text model's tensors
+LANGUAGE_MODEL = "model.language_model."
 #: gain offset of every RMSNorm of these models (zero-centred gains)
 NORM_OFFSET = 1.0
 #: the config keys of the linear-attention layers (required when the model has any)
@@ -66,3 +69,14 @@ def gated_deltanet(args, *, separate_projections: bool, init) -> Layer:
 def hybrid_caches(kinds: list) -> list:
     """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
     return [GatedDeltaCache() if kind == "linear_attention" else KVCache() for kind in kinds]
+
+
+def text_weight_name(name: str) -> str | None:
+    """A checkpoint tensor name of a (possibly multimodal) Qwen3.5 folder as the text model's:
+    ``model.language_model.*`` -> ``model.*``; the vision tower (``model.visual.*``, ``visual.*``) and the
+    multi-token-prediction tensors (``mtp.*``) dropped (None); any other name unchanged."""
+    if name.startswith(LANGUAGE_MODEL):
+        return "model." + name[len(LANGUAGE_MODEL):]
+    if name.startswith(("model.visual.", "visual.", "mtp.")):
+        return None
+    return name

@@ -32,11 +32,9 @@ from ..gguf.converters.qwen35 import Qwen35Converter
 from .base import BaseModelArgs, CausalLM, refuse, text_config
 from .decoder import DecoderStack
 from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
-                     hybrid_layer_types)
+                     hybrid_layer_types, text_weight_name)
 from .registry import register
 from .rope import rope_options
-
-_LANGUAGE_MODEL = "model.language_model."
 
 
 @dataclass
@@ -140,8 +138,5 @@ class Qwen3_5ForCausalLM(CausalLM):
         return hybrid_caches(self.args.kinds)
 
     def rename_weight(self, name):
-        if name.startswith(_LANGUAGE_MODEL):
-            name = "model." + name[len(_LANGUAGE_MODEL):]
-        elif name.startswith(("model.visual.", "visual.", "mtp.")):
-            return None
-        return super().rename_weight(name)
+        name = text_weight_name(name)
+        return None if name is None else super().rename_weight(name)

@@ -1,7 +1,7 @@
 """One `metalnn.llm.gguf.convert.Converter` per llama.cpp architecture (as llama.cpp's
 ``convert_hf_to_gguf.py`` has one class per model): ``llama``, ``qwen2``, ``qwen3``, ``smollm3`` (renamed
 by the tables, Llama's Q/K rows and rope factors restored) and the hybrid Gated DeltaNet layouts
-``qwen3next`` and ``qwen35`` (`hybrid`: norm offsets, ``ssm_a``, split projections, head orders
+``qwen3next``, ``qwen35`` and ``qwen35moe`` (`hybrid`: norm offsets, ``ssm_a``, split projections, head orders
 undone), and ``gemma2`` / ``gemma3`` (norm gains stored as ``1 + weight``). A model declares the converter of its files when it registers
 (`metalnn.llm.models.registry.register`); there is no second table here.
 """

@@ -1,4 +1,4 @@
-"""What the hybrid Gated DeltaNet GGUF layouts (``qwen3next``, ``qwen35``) share: `HybridConverter`
+"""What the hybrid Gated DeltaNet GGUF layouts (``qwen3next``, ``qwen35``, ``qwen35moe``) share: `HybridConverter`
 (config from the ``ssm.*`` metadata, the blocks walked one layer kind at a time) and `Parts`, the
 tensors grouped by stem with the helpers that move their rows and columns.
 

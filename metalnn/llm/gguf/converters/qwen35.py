@@ -4,7 +4,8 @@ four linear-attention input projections (``attn_qkv``, ``attn_gate``, ``ssm_beta
 With fewer key than value heads, llama.cpp's converter (``_LinearAttentionVReorderBase``) moves the
 value heads of ``in_proj_qkv`` (v rows), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``A_log``,
 ``dt_bias``, the v channels of ``conv1d`` and the columns of ``out_proj`` from grouped order (by key
-head) to tiled order; `grouped_order` turns them back. ``qwen35moe`` files are not read.
+head) to tiled order; `grouped_order` turns them back. ``qwen35moe`` files (Qwen3.5-MoE)
+are read by `qwen35moe`.
 """
 
 from __future__ import annotations

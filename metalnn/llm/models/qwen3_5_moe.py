@@ -1,0 +1,191 @@
+"""Qwen3.5-MoE text model (`Qwen3_5MoeForCausalLM`): Qwen3.5's hybrid of Gated DeltaNet linear-attention
+layers and gated full-attention layers (zero-centred RMSNorms) with a sparse mixture of experts and a
+sigmoid-gated shared expert in every layer.
+
+Each decoder layer is a `DecoderBlock` whose token mixer is chosen by ``layer_types``:
+
+* ``linear_attention``: `GatedDeltaNet` with Qwen3.5's separate input projections
+  (``model.layers.<i>.linear_attn.in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``conv1d``,
+  ``A_log``, ``dt_bias``, ``norm``, ``out_proj``);
+* ``full_attention``: `SelfAttention` (``self_attn.*``) with q/k RMSNorm, partial rotary embeddings
+  (``partial_rotary_factor``, 0.25 by default) and an output gate from a doubled ``q_proj``.
+
+The feed-forward block of every layer is Qwen3-Next's `SparseMoE` (``mlp.gate`` router ``[E, W]``,
+``mlp.experts``, ``mlp.shared_expert``, ``mlp.shared_expert_gate`` ``[1, W]``): a softmax over the
+experts, the ``num_experts_per_tok`` largest always renormalised (the config has no ``norm_topk_prob``,
+``decoder_sparse_step``, ``mlp_only_layers`` or ``intermediate_size``: there are no dense layers), plus
+``sigmoid(shared_expert_gate(x)) * shared_expert(x)``.
+
+It reads a ``qwen3_5_moe_text`` config, or the ``text_config`` of a ``qwen3_5_moe`` folder
+(``Qwen3_5MoeForConditionalGeneration``): the language model's tensors (``model.language_model.*``)
+load as ``model.*``; the vision tower (``model.visual.*``) and the multi-token-prediction tensors
+(``mtp.*``) are not used. Experts may be stored per expert (``mlp.experts.<e>.gate_proj.weight``, ...) or
+stacked (``mlp.experts.gate_up_proj`` ``[E, 2*I, W]``, ``mlp.experts.down_proj`` ``[E, W, I]``): both
+load (`RoutedExperts`). `save_pretrained` writes a text-only ``Qwen3_5MoeForCausalLM`` folder with
+per-expert tensors. On text the multimodal rotary sections (``mrope_section``) rotate every section by the
+token position, which is the ordinary partial rotation. GGUF files: ``qwen35moe``
+(`metalnn.llm.gguf.converters.qwen35moe`).
+
+Caches: a `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer; the
+fused CPU decoding step declines these blocks (gated attention, linear attention, experts), which run
+layer by layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ... import init as initializers
+from ...functional.activations import NAMES as ACTIVATIONS
+from ...layers.base import Layer
+from ...layers.linear import Linear
+from ...layers.moe import SparseMoE
+from ...layers.transformer import DecoderBlock
+from ..gguf.converters.qwen35moe import Qwen35MoeConverter
+from .base import BaseModelArgs, CausalLM, refuse, text_config
+from .decoder import DecoderStack
+from .experts import RoutedExperts
+from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
+                     hybrid_layer_types, text_weight_name)
+from .registry import register
+from .rope import rope_options
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """The keys of a Hugging Face ``Qwen3_5MoeTextConfig`` that metalnn reads (absent ones take
+    transformers' defaults).
+
+    ``layer_types`` (``linear_attention`` / ``full_attention``; when absent every
+    ``full_attention_interval``-th layer is full attention); the Gated DeltaNet sizes
+    ``linear_num_key_heads``, ``linear_num_value_heads`` (a multiple of the key heads),
+    ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``; the experts
+    ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``shared_expert_intermediate_size`` (the shared expert's width, positive); ``output_router_logits``
+    (keep the router logits of each call for `Qwen3_5MoeForCausalLM.aux_loss`) and
+    ``router_aux_loss_coef`` (its weight in a training loss).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    max_position_embeddings: int | None = 32768
+    layer_types: list | None = None
+    full_attention_interval: int = 4
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 0.25
+    #: `SelfAttention`'s RoPE keywords and each layer's kind (derived)
+    rope: dict = field(init=False, repr=False)
+    kinds: list = field(init=False, repr=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.hidden_act not in ACTIVATIONS:
+            refuse("hidden_act", self.hidden_act, ", ".join(ACTIVATIONS))
+        if self.num_experts <= 0:
+            refuse("num_experts", self.num_experts, "a positive integer (every layer is sparse)")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            refuse("num_experts_per_tok", self.num_experts_per_tok, f"1 to num_experts ({self.num_experts})")
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, key) <= 0:
+                refuse(key, getattr(self, key), "a positive integer")
+        self.kinds = hybrid_layer_types(self.num_hidden_layers, self.layer_types, self.full_attention_interval)
+        check_linear_sizes(self, self.kinds)
+        self.rope = rope_options(self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                                 rope_parameters=self.rope_parameters, partial_rotary_factor=self.partial_rotary_factor)
+
+
+def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
+    """Decoder block ``layer``: its mixer (``linear_attn`` or ``self_attn``) and a `SparseMoE` with a
+    shared expert between zero-centred RMSNorms."""
+    if args.kinds[layer] == "linear_attention":
+        mixer, name = gated_deltanet(args, separate_projections=True, init=init), "linear_attn"
+    else:
+        mixer = gated_attention(num_heads=args.num_attention_heads, num_kv_heads=args.num_key_value_heads,
+                                head_dim=args.head_dim, rope=args.rope, bias=args.attention_bias,
+                                eps=args.rms_norm_eps, init=init)
+        name = "self_attn"
+    mlp = SparseMoE(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size, norm_topk_prob=True,
+                    shared_expert_dims=args.shared_expert_intermediate_size, activation=args.hidden_act,
+                    record_router_logits=args.output_router_logits, init=init)
+    return DecoderBlock(mixer, mlp, mixer_name=name, eps=args.rms_norm_eps, norm_offset=NORM_OFFSET)
+
+
+@register("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+          model_types=("qwen3_5_moe_text", "qwen3_5_moe"), gguf=Qwen35MoeConverter)
+class Qwen3_5MoeForCausalLM(RoutedExperts, CausalLM):
+    """Qwen3.5-MoE (text model) built from a Hugging Face ``Qwen3_5MoeTextConfig`` dict, or from a
+    ``Qwen3_5MoeConfig`` whose ``text_config`` holds it (`ModelArgs` lists the keys read).
+
+    Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack`
+    of `DecoderBlock` s, each with a `SparseMoE` ``mlp``.
+
+    The experts' API (stacking on load, splitting on save, ``output_router_logits`` and ``aux_loss``
+    for training with the load-balancing loss) is `RoutedExperts`'.
+
+    Args: see `CausalLM` (``config``, ``seed``).
+    """
+
+    args_class = ModelArgs
+
+    def __init__(self, config: dict, seed: int = 0):
+        super().__init__(text_config(config), seed=seed)
+
+    def _build(self, args: ModelArgs):
+        init = initializers.Normal(args.initializer_range)  # transformers' init
+        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
+        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
+                                  init_std=args.initializer_range, norm_offset=NORM_OFFSET)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+
+    @property
+    def layer_kinds(self) -> list:
+        """``linear_attention`` / ``full_attention`` per layer."""
+        return list(self.args.kinds)
+
+    @property
+    def features(self) -> list:
+        """What sets the model apart from a Llama, one phrase each (shown by ``metalnn info``)."""
+        a = self.args
+        linear = [i for i, kind in enumerate(a.kinds) if kind == "linear_attention"]
+        full = [i for i, kind in enumerate(a.kinds) if kind == "full_attention"]
+        out = []
+        if linear:
+            out.append(f"Gated DeltaNet linear attention on layers {', '.join(map(str, linear))}")
+        if full:
+            out.append(f"gated full attention on layers {', '.join(map(str, full))} (q/k RMSNorm, partial rotary "
+                       f"{a.rope['rope_dims']} of {a.head_dim} features)")
+        out.append("zero-centred RMSNorm")
+        out += self.moe_features()
+        out.append(f"sigmoid-gated shared expert ({a.shared_expert_intermediate_size} wide)")
+        return out
+
+    def make_cache(self) -> list:
+        """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
+        return hybrid_caches(self.args.kinds)
+
+    def rename_weight(self, name):
+        name = text_weight_name(name)
+        return None if name is None else super().rename_weight(name)
