@@ -43,6 +43,8 @@ class SigmoidRouter(Layer):
 
     fixed_axes = ("W",)
 
+    positional_hint = "{cls}({num_experts})"
+
     def __init__(self, num_experts: int, *, init=None, dtype=None):
         super().__init__()
         self.num_experts = int(num_experts)
