@@ -15,6 +15,7 @@ from .ggml import GGMLEmbedding, GGMLLinear
 from .kmeans import KMeans
 from .linear import Linear, LinearWithWeights, MulRows
 from .mlp import MLP, SwiGLU
+from .latent_attention import LatentAttention
 from .moe import SparseMoE, SwitchGLU, load_balancing_loss
 from .norm import GatedRMSNorm, LayerNorm, RMSNorm
 from .pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
@@ -22,6 +23,7 @@ from .quantized import QuantizedEmbedding, QuantizedLinear
 from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
+from .sigmoid_moe import GroupLimitedMoE, SigmoidRouter
 from .softmax import Softmax
 from .transformer import DecoderBlock, SandwichBlock, TransformerBlock
 
@@ -33,7 +35,8 @@ __all__ = [
     "Flatten", "Identity", "Reshape",
     "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",
-    "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss",
+    "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss", "GroupLimitedMoE", "SigmoidRouter",
+    "LatentAttention",
     "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache", "StateCache",
     "GatedDeltaNet", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",

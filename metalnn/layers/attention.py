@@ -38,14 +38,17 @@ class KVCache:
         self.values = None
         self.offset = 0
 
-    def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype):
+    def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype, value_dim: int | None = None):
         """The key and value buffers ``[batch, kv_heads, capacity, head_dim]`` with room for ``t`` more
-        positions after ``offset`` (grown in blocks of ``step``, the cached positions copied over)."""
+        positions after ``offset`` (grown in blocks of ``step``, the cached positions copied over);
+        ``value_dim`` (default ``head_dim``): the values' last axis, when it differs (multi-head
+        latent attention caches its latent as keys and its rotary key as values)."""
         prev = self.offset
         if self.keys is None or prev + t > self.keys.shape[2]:
             cap = ((prev + t + self.step - 1) // self.step) * self.step
             shape = (batch, kv_heads, cap, head_dim)
-            nk, nv = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+            nk = mx.zeros(shape, dtype)
+            nv = mx.zeros(shape[:3] + (value_dim or head_dim,), dtype)
             if self.keys is not None and prev:
                 nk[..., :prev, :] = self.keys[..., :prev, :]
                 nv[..., :prev, :] = self.values[..., :prev, :]
@@ -59,9 +62,10 @@ class KVCache:
         self.offset += t
 
     def update_and_fetch(self, k, v):
-        """Append ``k``, ``v`` (``[B, Hkv, T, head_dim]``); return all cached keys and values."""
+        """Append ``k``, ``v`` (``[B, Hkv, T, head_dim]``; ``v``'s last axis may differ); return all
+        cached keys and values."""
         prev, t = self.offset, k.shape[2]
-        keys, values = self.buffers_for(k.shape[0], k.shape[1], k.shape[3], t, k.dtype)
+        keys, values = self.buffers_for(k.shape[0], k.shape[1], k.shape[3], t, k.dtype, v.shape[3])
         keys[..., prev:prev + t, :] = k
         values[..., prev:prev + t, :] = v
         self.advance(keys, values, t)

@@ -85,7 +85,7 @@ class BatchKVCache(KVCache):
         if self.keys is None or need > self.keys.shape[2]:
             cap, old = _capacity(need), self.keys
             shape = (b, k.shape[1], cap, k.shape[3])
-            nk, nv = mx.zeros(shape, k.dtype), mx.zeros(shape, k.dtype)
+            nk, nv = mx.zeros(shape, k.dtype), mx.zeros(shape[:3] + (v.shape[3],), k.dtype)
             if old is not None and self.offset:
                 nk[..., :self.offset, :] = self.keys[..., :self.offset, :]
                 nv[..., :self.offset, :] = self.values[..., :self.offset, :]
@@ -96,17 +96,16 @@ class BatchKVCache(KVCache):
             self.values[..., n:n + t, :] = v
         else:  # each row at its own columns: one scatter (in place once nothing else holds the buffer)
             cols = mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(t, dtype=mx.int32)[None, :]
-            idx = mx.broadcast_to(cols[:, None, :, None], k.shape)
-            self.keys = mx.put_along_axis(self.keys, idx, k, axis=2)
-            self.values = mx.put_along_axis(self.values, idx, v, axis=2)
+            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(cols[:, None, :, None], k.shape), k, axis=2)
+            self.values = mx.put_along_axis(self.values, mx.broadcast_to(cols[:, None, :, None], v.shape), v, axis=2)
         self.lengths = [n + t for n in self.lengths]
         return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
 
-    def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype):
+    def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype, value_dim: int | None = None):
         """The buffers with room for ``t`` more positions after the longest row (see `KVCache`)."""
         if self.keys is None or self.offset + t > self.keys.shape[2]:
             shape = (batch, kv_heads, _capacity(self.offset + t), head_dim)
-            nk, nv = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+            nk, nv = mx.zeros(shape, dtype), mx.zeros(shape[:3] + (value_dim or head_dim,), dtype)
             if self.keys is not None and self.offset:
                 nk[..., :self.offset, :] = self.keys[..., :self.offset, :]
                 nv[..., :self.offset, :] = self.values[..., :self.offset, :]

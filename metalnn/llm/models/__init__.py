@@ -6,7 +6,7 @@
 >>> model.save_pretrained("out/")                                   # transformers can load it
 
 One architecture a module (``llama``, ``gpt2``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral``, ``mixtral``,
-``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
+``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``, ``deepseek_v3``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
 subclass built from shared blocks (`metalnn.layers`, `decoder`, `hybrid`, `rope`, `experts`) that registers itself
 in `ARCHITECTURES` (`registry`: keyed by Hugging Face architecture, ``model_type`` and GGUF architecture). Checkpoints:
 Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) and Hub names
@@ -16,7 +16,8 @@ Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCa
 ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3NextForCausalLM``,
 ``Qwen3_5ForCausalLM`` (also the text model of a ``Qwen3_5ForConditionalGeneration`` folder),
 ``Qwen3_5MoeForCausalLM`` (also the text model of a ``Qwen3_5MoeForConditionalGeneration`` folder),
-``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM`` and ``MixtralForCausalLM``.
+``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM``, ``MixtralForCausalLM`` and
+``DeepseekV3ForCausalLM``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ...errors import UnsupportedConfigError
 from .. import gguf
 from ..tokenizer import Tokenizer, char_tokenizer, load_tokenizer
 from .base import BaseModelArgs, CausalLM
+from .deepseek_v3 import DeepseekV3ForCausalLM
 from .gemma2 import Gemma2ForCausalLM
 from .gemma3 import Gemma3ForCausalLM
 from .gpt2 import GPT2LMHeadModel
@@ -42,7 +44,8 @@ from .qwen3_next import Qwen3NextForCausalLM
 from .registry import ARCHITECTURES, model_class, register
 from .smollm3 import SmolLM3ForCausalLM
 
-__all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
+__all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
+           "Gemma3ForCausalLM", "GPT2LMHeadModel",
            "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
            "Qwen3_5MoeForCausalLM", "SmolLM3ForCausalLM",
