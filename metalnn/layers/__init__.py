@@ -22,6 +22,7 @@ from .quantized import QuantizedEmbedding, QuantizedLinear
 from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
+from .short_conv import ShortConv, ShortConvCache
 from .softmax import Softmax
 from .transformer import DecoderBlock, SandwichBlock, TransformerBlock
 
@@ -35,7 +36,7 @@ __all__ = [
     "Parallel", "Residual",
     "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss",
     "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache", "StateCache",
-    "GatedDeltaNet", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE",
+    "GatedDeltaNet", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE", "ShortConv", "ShortConvCache",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
     "GRU", "LSTM", "RNN", "KMeans", "Softmax", "AdaptiveSoftmax", "AdaptiveSoftmaxOutput",
