@@ -3,10 +3,12 @@ and its `ShortConvCache`: decoding in pieces equals one pass, rows stack and spl
 
 The reference is transformers' ``Lfm2ShortConv`` without a cache, rewritten in torch: ``B, C, x =
 in_proj(x).chunk(3)``, a depthwise ``conv1d`` of ``B * x`` padded by ``L - 1`` and cut to the input
-length, ``out_proj(C * conv)``. Tolerances: 1e-5 relative plus 1e-5 absolute (outputs reach O(10): float32 on both sides, the same
-products summed in another order) for the torch formula, for decoding in pieces against one pass
-(the same ops on other shapes) and for the emulated Metal kernels against the reference path; their
-input gradients 1e-5 relative to the largest entry.
+length, ``out_proj(C * conv)``.
+
+Tolerances: 1e-5 relative plus 1e-5 absolute (outputs reach O(10); float32 on both sides, the same
+products summed in another order) for the torch formula, for decoding in pieces against one pass (the
+same ops on other shapes) and for the emulated Metal kernels against the reference path; their input
+gradients 1e-5 relative to the largest entry.
 """
 
 import mlx.core as mx

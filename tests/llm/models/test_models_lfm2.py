@@ -187,11 +187,12 @@ def test_loss_and_gradients_match_torch(name, checkpoints):
     ref = {("model.norm." + k[len("model.embedding_norm."):] if k.startswith("model.embedding_norm.") else k): v
            for k, v in ref.items()}
     assert set(got) == set(ref)
-    must = ["model.layers.0.conv.conv.weight", "model.layers.0.conv.in_proj.weight", "model.layers.1.self_attn.q_"
-            "layernorm.weight", "model.layers.1.self_attn.out_proj.weight", "model.layers.2.feed_forward.w3.weight",
-            "model.norm.weight", "model.layers.0.operator_norm.weight"]
+    must = ["model.layers.0.conv.conv.weight", "model.layers.0.conv.in_proj.weight",
+            "model.layers.1.self_attn.q_layernorm.weight", "model.layers.1.self_attn.out_proj.weight",
+            "model.layers.2.feed_forward.w3.weight", "model.norm.weight", "model.layers.0.operator_norm.weight"]
     if CONFIGS[name]["conv_bias"]:
-        must += ["model.layers.0.conv.conv.bias", "model.layers.2.conv.in_proj.bias", "model.layers.2.conv.out_proj.bias"]
+        must += ["model.layers.0.conv.conv.bias", "model.layers.2.conv.in_proj.bias",
+                 "model.layers.2.conv.out_proj.bias"]
     assert set(must) <= set(got)
     for k in ref:
         assert np.abs(ref[k]).max() > 0, k
