@@ -43,6 +43,7 @@ from metalnn.layers import KVCache, ShortConvCache
 from metalnn.layers.transformer import DecoderBlock
 from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
+from metalnn.llm.prefix_cache import PrefixCache
 
 from commands import metalnn_cmd
 from gguf_lfm2_files import write_lfm2_gguf
@@ -175,6 +176,29 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
         assert steps < 200
     for seq, p, n in zip(seqs, prompts, limits):
         assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+
+
+def test_prefix_cache_resumes_from_saved_convolution_states(checkpoints, tmp_path):
+    """A prefix cache saved to a folder and read back holds the `ShortConvCache` s of a whole earlier
+    prompt: the next turn starts from them and still gets transformers' greedy tokens."""
+    hf, model, _ = checkpoints["biased"]
+    rng = np.random.default_rng(4)
+    turn1 = rng.integers(0, VOCAB, 12).tolist() + [5, 6, 7]
+
+    def run(prompt, n, cache):
+        gen = BatchGenerator(model, prefill_chunk=4, prefix_cache=cache)
+        seq = gen.add(prompt, n)
+        while gen:
+            gen.step()
+        assert seq.tokens == hf_greedy(hf, np.array([prompt]), n)[0].tolist()
+
+    first = PrefixCache(min_tokens=4)
+    run(turn1, 12, first)
+    first.save(tmp_path / "prefixes")
+    cache = PrefixCache(min_tokens=4)
+    cache.load(tmp_path / "prefixes")
+    run(turn1 + rng.integers(0, VOCAB, 8).tolist(), 18, cache)
+    assert cache.hits == 1 and cache.hit_tokens == len(turn1)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
