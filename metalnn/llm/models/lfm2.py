@@ -207,7 +207,7 @@ class Lfm2Block(Layer):
 
     Args:
         mixer: the token mixer (`ShortConv` or `Lfm2Attention`).
-        feed_forward: the position-wise block (`Lfm2MLP`, or LFM2-MoE's experts).
+        feed_forward: the position-wise block (`Lfm2MLP`).
         mixer_name: the mixer's parameter prefix (``conv`` or ``self_attn``).
         eps: epsilon of both norms.
         dtype: dtype of the norm weights.
@@ -240,8 +240,9 @@ class Lfm2Block(Layer):
         return Data(x + h.array, data.dims)
 
 
-def token_mixer(args, layer: int, init) -> tuple:
-    """``(mixer, name)`` of decoder layer ``layer`` of ``args`` (an LFM2 or LFM2-MoE ``ModelArgs``)."""
+def token_mixer(args: ModelArgs, layer: int, init) -> tuple:
+    """``(mixer, name)`` of decoder layer ``layer``: a `ShortConv` (``conv``) or an `Lfm2Attention`
+    (``self_attn``)."""
     if args.kinds[layer] == "conv":
         return ShortConv(args.conv_L_cache, bias=args.conv_bias, init=init), "conv"
     attn = Lfm2Attention(args.num_attention_heads, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
@@ -254,47 +255,8 @@ def layer_caches(kinds: list) -> list:
     return [ShortConvCache() if kind == "conv" else KVCache() for kind in kinds]
 
 
-class Lfm2Family(CausalLM):
-    """What LFM2 and LFM2-MoE share: the layer kinds, the caches, the final norm's checkpoint name
-    and the features `metalnn info` lists."""
-
-    @property
-    def layer_kinds(self) -> list:
-        """``conv`` / ``full_attention`` per layer."""
-        return list(self.args.kinds)
-
-    def make_cache(self) -> list:
-        """A `ShortConvCache` per convolution layer and a `KVCache` per attention layer."""
-        return layer_caches(self.args.kinds)
-
-    @property
-    def features(self) -> list:
-        """What sets the model apart from a Llama, one phrase each (shown by ``metalnn info``)."""
-        args = self.args
-        convs = args.kinds.count("conv")
-        out = [f"gated short convolution (width {args.conv_L_cache}"
-               + (", with biases" if args.conv_bias else "") + f") on {convs} of {len(args.kinds)} layers",
-               "q/k RMSNorm on the attention layers"]
-        return out
-
-    def _stack(self, args, layers, init):
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.norm_eps,
-                                  init_std=args.initializer_range)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
-
-    def rename_weight(self, name):
-        if name.startswith(CHECKPOINT_NORM):
-            name = NORM + name[len(CHECKPOINT_NORM):]
-        return super().rename_weight(name)
-
-    def export_weights(self):
-        return {(CHECKPOINT_NORM + k[len(NORM):] if k.startswith(NORM) else k): v
-                for k, v in super().export_weights().items()}
-
-
 @register("Lfm2ForCausalLM", "LFM2ForCausalLM", model_types=("lfm2",), gguf=Lfm2Converter)
-class Lfm2ForCausalLM(Lfm2Family):
+class Lfm2ForCausalLM(CausalLM):
     """LFM2 built from a Hugging Face ``Lfm2Config`` dict (`ModelArgs` lists the keys read).
 
     Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack`
@@ -311,4 +273,34 @@ class Lfm2ForCausalLM(Lfm2Family):
         for i in range(args.num_hidden_layers):
             mixer, name = token_mixer(args, i, init)
             layers.append(Lfm2Block(mixer, Lfm2MLP(args.ffn_width, init=init), mixer_name=name, eps=args.norm_eps))
-        self._stack(args, layers, init)
+        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.norm_eps,
+                                  init_std=args.initializer_range)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+
+    @property
+    def layer_kinds(self) -> list:
+        """``conv`` / ``full_attention`` per layer."""
+        return list(self.args.kinds)
+
+    def make_cache(self) -> list:
+        """A `ShortConvCache` per convolution layer and a `KVCache` per attention layer."""
+        return layer_caches(self.args.kinds)
+
+    @property
+    def features(self) -> list:
+        """What sets the model apart from a Llama, one phrase each (shown by ``metalnn info``)."""
+        args = self.args
+        convs = args.kinds.count("conv")
+        return [f"gated short convolution (width {args.conv_L_cache}"
+                + (", with biases" if args.conv_bias else "") + f") on {convs} of {len(args.kinds)} layers",
+                "q/k RMSNorm on the attention layers"]
+
+    def rename_weight(self, name):
+        if name.startswith(CHECKPOINT_NORM):
+            name = NORM + name[len(CHECKPOINT_NORM):]
+        return super().rename_weight(name)
+
+    def export_weights(self):
+        return {(CHECKPOINT_NORM + k[len(NORM):] if k.startswith(NORM) else k): v
+                for k, v in super().export_weights().items()}
