@@ -24,6 +24,7 @@ from .recurrent import GRU, LSTM, RNN
 from .residual import Residual
 from .shape import Flatten, Identity, Reshape
 from .sigmoid_moe import GroupLimitedMoE, SigmoidRouter
+from .short_conv import ShortConv, ShortConvCache
 from .softmax import Softmax
 from .transformer import DecoderBlock, SandwichBlock, TransformerBlock
 
@@ -38,7 +39,7 @@ __all__ = [
     "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss", "GroupLimitedMoE", "SigmoidRouter",
     "LatentAttention",
     "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache", "StateCache",
-    "GatedDeltaNet", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE",
+    "GatedDeltaNet", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE", "ShortConv", "ShortConvCache",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
     "GRU", "LSTM", "RNN", "KMeans", "Softmax", "AdaptiveSoftmax", "AdaptiveSoftmaxOutput",

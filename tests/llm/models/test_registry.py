@@ -8,7 +8,7 @@ import pytest
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.models import (ARCHITECTURES, CausalLM, deepseek_v3, gemma2, gemma3, gpt2, llama, mistral, mixtral,
+from metalnn.llm.models import (ARCHITECTURES, CausalLM, deepseek_v3, gemma2, gemma3, gpt2, lfm2, llama, mistral, mixtral,
                                 phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3)
 from metalnn.llm.models.registry import Registry, register
 
@@ -25,6 +25,8 @@ def _config(module) -> dict:
         return dict(vocab_size=40, n_embd=32, n_layer=2, n_head=4)
     if module in (qwen3_next, qwen3_5, qwen3_5_moe):
         return dict(HYBRID)
+    if module is lfm2:
+        return dict(LLAMA, num_key_value_heads=2, layer_types=["conv", "full_attention"])
     return dict(LLAMA, sliding_window=4)
 
 
@@ -41,7 +43,8 @@ def test_one_registry_keyed_three_ways():
              "SmolLM3ForCausalLM": mn.models.SmolLM3ForCausalLM, "MixtralForCausalLM": mn.models.MixtralForCausalLM,
              "Qwen3_5MoeForCausalLM": mn.models.Qwen3_5MoeForCausalLM,
              "Qwen3_5MoeForConditionalGeneration": mn.models.Qwen3_5MoeForCausalLM,
-             "DeepseekV3ForCausalLM": mn.models.DeepseekV3ForCausalLM}
+             "DeepseekV3ForCausalLM": mn.models.DeepseekV3ForCausalLM,
+             "Lfm2ForCausalLM": mn.models.Lfm2ForCausalLM, "LFM2ForCausalLM": mn.models.Lfm2ForCausalLM}
     assert dict(ARCHITECTURES) == names
     types = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
@@ -49,7 +52,7 @@ def test_one_registry_keyed_three_ways():
              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
-             "deepseek_v3": "DeepseekV3ForCausalLM"}
+             "deepseek_v3": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM"}
     for model_type, name in types.items():
         assert ARCHITECTURES.for_model_type(model_type).model is names[name]
         assert mn.models.model_class({"model_type": model_type}) is names[name]
@@ -57,7 +60,7 @@ def test_one_registry_keyed_three_ways():
              "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
              "qwen3moe": "Qwen3MoeForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
-             "deepseek2": "DeepseekV3ForCausalLM"}
+             "deepseek2": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM"}
     assert set(ARCHITECTURES.gguf_converters()) == set(ggufs)
     for arch, name in ggufs.items():
         entry = ARCHITECTURES.for_gguf(arch)
@@ -101,7 +104,7 @@ def test_register_refuses_a_taken_key_and_a_class_without_model_args():
 
 
 @pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5, phi3, gemma2, gemma3,
-                                    smollm3, mixtral, qwen3_moe, qwen3_5_moe, deepseek_v3])
+                                    smollm3, mixtral, qwen3_moe, qwen3_5_moe, deepseek_v3, lfm2])
 def test_model_args_ignore_unknown_keys_and_name_missing_ones(module):
     required = [f.name for f in dataclasses.fields(module.ModelArgs)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -156,6 +159,10 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
     (deepseek_v3, "scoring_func", "softmax", "scoring_func = 'softmax' is not supported (supported: sigmoid)"),
     (deepseek_v3, "rope_scaling", {"rope_type": "yarn", "factor": 40.0}, "rope type 'yarn' is not supported"),
     (smollm3, "sliding_window", 0, "sliding_window = 0 is not supported (supported: a positive integer or null)"),
+    (lfm2, "layer_types", ["conv", "linear_attention"],
+     "layer_types[1] = 'linear_attention' is not supported (supported: conv, full_attention)"),
+    (lfm2, "num_key_value_heads", 3, "num_key_value_heads = 3 is not supported (supported: a positive divisor of "
+                                     "num_attention_heads = 4)"),
 ])
 def test_unsupported_values_name_the_field_the_value_and_what_is_supported(module, key, value, words):
     config = _config(module)
