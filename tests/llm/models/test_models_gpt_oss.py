@@ -306,7 +306,7 @@ def mxfp4_folder(hf, folder, seed=5):
             del state[name]
             state[name + "_blocks"], state[name + "_scales"] = blocks, scales
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf.config.to_dict()
+    cfg = dict(hf.config.to_dict(), architectures=["GptOssForCausalLM"])
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                                         "model.layers.*.mlp.router",
                                                                                         "model.embed_tokens", "lm_head"]}
@@ -316,6 +316,8 @@ def mxfp4_folder(hf, folder, seed=5):
 
 # widths multiples of 32 (MXFP4 groups along the input of both expert matrices)
 MXFP4_CONFIG = dict(CONFIGS["yarn"], intermediate_size=32)
+# GGUF files hold no swiglu_alpha / swiglu_limit (llama.cpp fixes transformers' defaults): the defaults here
+GGUF_CONFIG = dict(MXFP4_CONFIG, swiglu_limit=7.0)
 
 
 def test_mxfp4_folder_gives_transformers_logits(tmp_path):
