@@ -27,12 +27,14 @@ import json
 import os
 import re
 
+import gguf
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
 
 import metalnn as mn
@@ -42,6 +44,7 @@ from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 from metalnn.llm.models.rope import rope_options, yarn_rope_parameters
 
+import gguf_gpt_oss_files
 from commands import metalnn_cmd
 from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, max_error, mn_loss_and_grads, relative_error,
                        tokens)
@@ -347,3 +350,74 @@ def test_mxfp4_folder_missing_scales_is_named(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(mn.errors.WeightLoadError, match=r"model\.layers\.2\.mlp\.experts\.down_proj_scales"):
         load_pretrained(tmp_path)
+
+
+# -- GGUF -------------------------------------------------------------------------------------------------
+# llama.cpp's ``gpt-oss`` files, written by `gguf_gpt_oss_files.write` the converter's way (checked against
+# ``convert_hf_to_gguf.py`` itself on GGUF_CONFIG models, float and MXFP4 folders: the same metadata and
+# byte-identical tensors for ``--outtype f32`` and ``q8_0``).
+
+
+def q8_0_values(hf):
+    """``hf`` with every matrix the Q8_0 file quantizes (all but the router and the biases) replaced by its
+    Q8_0 round trip along the file's rows (the experts transposed, as the converter stores them): a fixed
+    point, so both sides hold identical weights and 2e-4 holds again."""
+    def round_trip(a):
+        back = gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
+        assert np.array_equal(back, gguf.quants.dequantize(gguf.quants.quantize(back, Q.Q8_0), Q.Q8_0))
+        return back
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim < 2 or ".mlp.router." in name or name.endswith("_bias"):
+                continue
+            a = p.numpy().astype(np.float32)
+            if ".mlp.experts." in name:
+                back = np.swapaxes(round_trip(np.ascontiguousarray(np.swapaxes(a, -1, -2))), -1, -2)
+            else:
+                back = round_trip(a)
+            p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
+    return hf
+
+
+def checkpoint_tensors(hf):
+    return {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
+def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
+    hf = gpt_oss(**GGUF_CONFIG)
+    if qtype == Q.Q8_0:
+        hf = q8_0_values(hf)
+    model = load_pretrained(gguf_gpt_oss_files.write(tmp_path / "gpt-oss.gguf", hf.config, checkpoint_tensors(hf),
+                                                     qtype))
+    assert type(model) is mn.models.GptOssForCausalLM
+    assert [b.self_attn.sliding_window for b in model.model.layers] == [4, None, 4]
+    assert model.args.rope_parameters["truncate"] is False
+    if qtype == Q.Q8_0:
+        q = model.config["quantization"]
+        assert q["model.layers.0.self_attn.q_proj"] == {"ggml_type": "Q8_0"}
+        assert "model.layers.0.mlp.router" not in q
+    toks = tokens(VOCAB, (2, 19), seed=1)
+    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
+    assert err < LOGITS_TOL, f"logits differ by {err:.3g}"
+    prompt = tokens(VOCAB, (1, 6), seed=2)
+    assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()
+
+
+def test_gguf_file_with_mxfp4_experts(tmp_path):
+    """The released checkpoints' GGUF form: experts as GGML MXFP4 blocks (repacked from the folder's)."""
+    from safetensors.numpy import load_file
+
+    (tmp_path / "folder").mkdir()
+    hf = mxfp4_folder(gpt_oss(**GGUF_CONFIG), tmp_path / "folder")
+    tensors = load_file(str(tmp_path / "folder" / "model.safetensors"))
+    path = gguf_gpt_oss_files.write(tmp_path / "gpt-oss-mxfp4.gguf", hf.config, tensors)
+    kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert kinds["blk.0.ffn_gate_exps.weight"] == kinds["blk.2.ffn_down_exps.weight"] == Q.MXFP4
+    model = load_pretrained(path)
+    toks = tokens(VOCAB, (2, 15), seed=1)
+    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
+    assert err < LOGITS_TOL, f"logits differ by {err:.3g}"
+    np.testing.assert_array_equal(np.array(model.model.layers[0].mlp.experts.gate_up_proj),
+                                  hf.model.layers[0].mlp.experts.gate_up_proj.detach().numpy())
