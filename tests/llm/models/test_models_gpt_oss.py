@@ -21,6 +21,11 @@ formula), the attention factor 1e-12 (the same float64 formula).
 MXFP4 folders (the released checkpoints' experts): random codes and exponents are packed as
 transformers' ``*_blocks`` / ``*_scales`` tensors; the reference is transformers' own
 ``convert_moe_packed_tensors`` written into the transformers model.
+
+GGUF: llama.cpp's ``gpt-oss`` files (``convert_hf_to_gguf.py``'s ``GptOssModel``), written by
+`gguf_gpt_oss_files.write`: float32, Q8_0 (compared with transformers holding the Q8_0 round trip of the same
+matrices, a fixed point) and MXFP4 experts (the released checkpoints' form). GGUF keeps no ``swiglu_limit``
+(llama.cpp fixes 7.0), so those files use the default clamp.
 """
 
 import json
