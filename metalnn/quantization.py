@@ -186,6 +186,10 @@ def read_config(config: dict, source: str) -> dict | None:
     """The validated ``quantization`` dict of a model config (``quantization`` or an MLX-style
     ``quantization_config``); None when the checkpoint is not quantized.
 
+    A ``quantization_config`` with ``quant_method`` ``mxfp4`` (gpt-oss's released folders: MXFP4 experts
+    as ``*_blocks`` / ``*_scales`` tensors) gives None too: the architecture's loader decodes those
+    tensors to floats (`metalnn.llm.models.gpt_oss`).
+
     Raises `UnsupportedConfigError` naming ``source`` for other quantization methods (GPTQ, AWQ,
     bitsandbytes, ...) and for bits / group sizes / modes MLX does not support.
     """
@@ -194,6 +198,8 @@ def read_config(config: dict, source: str) -> dict | None:
     if q is None and config.get("quantization_config") is not None:
         q, key = config["quantization_config"], "quantization_config"
         method = q.get("quant_method") if isinstance(q, dict) else None
+        if method == "mxfp4":
+            return None
         if method not in (None, "mlx"):
             raise UnsupportedConfigError(f"{source}: quantization_config.quant_method {method!r} is not supported; "
                                          "metalnn loads MLX-quantized checkpoints (config 'quantization': "

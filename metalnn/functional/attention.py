@@ -42,12 +42,14 @@ def causal_mask(t_q: int, t_k: int, offset: int | None = None):
 
 
 def attention_reference(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None,
-                        softcap: float | None = None):
+                        softcap: float | None = None, sinks=None):
     """`attention` spelled out in plain MLX ops: ``softmax(q k^T * scale + mask) v`` in float32.
 
     k and v are repeated for grouped-query attention; the result is cast to ``q.dtype``. A query
     row that sees no key gives NaN (softmax over an empty set). ``softcap``: the scaled scores
     become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's logit soft-capping).
+    ``sinks`` ``[Hq]``: one more logit per query head in each row's softmax, whose probability is
+    dropped (attention sinks: they take mass and add no value; a row that sees no key gives zeros).
     """
     _check(q, k, v)
     if scale is None:
@@ -63,7 +65,13 @@ def attention_reference(q, k, v, scale: float | None = None, causal: bool = True
         s = mx.where(mask, s, -mx.inf) if mask.dtype == mx.bool_ else s + mask.astype(mx.float32)
     if causal:
         s = mx.where(causal_mask(q.shape[2], k.shape[2], offset), s, -mx.inf)
-    p = mx.softmax(s, axis=-1)
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"attention: sinks must be [query heads] = [{q.shape[1]}], got {tuple(sinks.shape)}")
+        column = mx.broadcast_to(sinks.astype(mx.float32)[:, None, None], s.shape[:-1] + (1,))
+        p = mx.softmax(mx.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
+    else:
+        p = mx.softmax(s, axis=-1)
     return (p @ v.astype(mx.float32)).astype(q.dtype)
 
 
@@ -119,7 +127,7 @@ def _attention_mlx(q, k, v, scale, causal, mask, offset):
 
 
 def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=None, offset=None, softcap=None,
-              device=None):
+              sinks=None, device=None):
     """Multi-head scaled dot-product attention ``softmax(q k^T * scale [+ mask]) v``.
 
     Args:
@@ -133,6 +141,8 @@ def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=Non
         offset: position of the first query among the keys. ``None`` (default) means ``Tk - Tq``:
             the queries are the last ``Tq`` positions, as in KV-cache decoding. A smaller offset also
             hides the keys after each query (e.g. unused slots of a preallocated cache).
+        softcap: soft-cap of the scaled scores (see `attention_reference`); runs the reference.
+        sinks: ``[Hq]`` attention-sink logits (see `attention_reference`) or None; runs the reference.
         device: the `Device` whose ``kernels`` selects the implementation.
     Returns:
         ``[B, Hq, Tq, head_dim]`` in ``q.dtype``. Differentiable in ``q``, ``k`` and ``v``.
@@ -156,9 +166,9 @@ def attention(q, k, v, scale: float | None = None, causal: bool = True, mask=Non
     if softcap is not None:
         if not softcap > 0:
             raise ValueError(f"attention: softcap must be positive or None, got {softcap!r}")
-        return attention_reference(q, k, v, scale, causal, mask, offset, float(softcap))
-    if device.kernels == "reference":
-        return attention_reference(q, k, v, scale, causal, mask, offset)
+        return attention_reference(q, k, v, scale, causal, mask, offset, float(softcap), sinks)
+    if sinks is not None or device.kernels == "reference":
+        return attention_reference(q, k, v, scale, causal, mask, offset, sinks=sinks)
     _check(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     backend = kernel_backend(device)

@@ -7,8 +7,8 @@ so each new token costs one projection of that token plus one pass over the cach
 
 Options used by the Llama relatives: per-head RMSNorm of queries and keys (Qwen3, Qwen3-Next,
 Qwen3.5, Gemma 3), partial rotary dimensions (``rope_dims``), a sigmoid output gate produced by a doubled
-``q_proj`` (Qwen3-Next, Qwen3.5), a sliding attention window (Mistral, Qwen2, Gemma) and soft-capped
-attention scores (Gemma 2).
+``q_proj`` (Qwen3-Next, Qwen3.5), a sliding attention window (Mistral, Qwen2, Gemma), soft-capped
+attention scores (Gemma 2), attention sinks and YaRN's attention factor (gpt-oss).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import functional as F
+from .. import init as initializers
 from ..data import Data, MTLSize
 from .base import Layer
-from .linear import Linear
+from .linear import Linear, float_dtype
 from .norm import RMSNorm
 
 
@@ -151,6 +152,11 @@ class SelfAttention(Layer):
         norm_eps, norm_offset: epsilon and gain offset of the q/k norms (see `RMSNorm`).
         softcap: soft-cap the scaled scores to ``softcap * tanh(score / softcap)`` (Gemma 2's
             ``attn_logit_softcapping``); None leaves them.
+        sinks: a learned logit per query head, ``sinks`` ``[num_heads]``, joins each row of scores in
+            the softmax's denominator (it takes probability mass and contributes no value; gpt-oss's
+            attention sinks).
+        rope_attention_factor: multiplies the rotated queries and keys (YaRN's attention factor on
+            cos and sin), applied as its square on ``scale``.
         init: initializer of the projections (default `Linear`'s).
         dtype: parameter dtype.
     """
@@ -164,7 +170,8 @@ class SelfAttention(Layer):
                  rope_base: float = 10000.0, rope_traditional: bool = False, rope_scale: float = 1.0, rope_freqs=None,
                  rope_dims: int | None = None, scale: float | None = None, qk_norm: bool = False,
                  output_gate: bool = False, sliding_window: int | None = None, norm_eps: float = 1e-6,
-                 norm_offset: float = 0.0, softcap: float | None = None, init=None, dtype=None):
+                 norm_offset: float = 0.0, softcap: float | None = None, sinks: bool = False,
+                 rope_attention_factor: float = 1.0, init=None, dtype=None):
         super().__init__()
         self.num_heads = int(num_heads)
         self.num_kv_heads = int(num_kv_heads or num_heads)
@@ -192,13 +199,28 @@ class SelfAttention(Layer):
         if softcap is not None and (isinstance(softcap, bool) or not float(softcap) > 0):
             raise ValueError(f"SelfAttention: softcap must be a positive number or None, got {softcap!r}")
         self.softcap = None if softcap is None else float(softcap)
+        self.use_sinks = bool(sinks)
+        self.rope_attention_factor = float(rope_attention_factor)
+        if not self.rope_attention_factor > 0:
+            raise ValueError(f"SelfAttention: rope_attention_factor must be positive, got {rope_attention_factor!r}")
+        self._base_scale = scale
+        if self.head_dim is not None:
+            self._set_scale()
         self._init, self._dtype = init, dtype
+
+    def _set_scale(self):
+        """``scale`` with YaRN's attention factor folded in (squared: it multiplies queries and keys)."""
+        f = self.rope_attention_factor
+        if f != 1.0:
+            base = self._base_scale if self._base_scale is not None else self.head_dim ** -0.5
+            self.scale = base * f * f
 
     def build(self, device, dims, dtype):
         if self.head_dim is None:
             self.require(dims.W % self.num_heads == 0, f"a width divisible by num_heads={self.num_heads}",
                          f"W={dims.W}")
             self.head_dim = dims.W // self.num_heads
+            self._set_scale()
         hd, kw = self.head_dim, dict(init=self._init, dtype=self._dtype)
         self.q_proj = Linear(self.num_heads * hd * (2 if self.output_gate else 1), bias=self.use_bias, **kw)
         self.k_proj = Linear(self.num_kv_heads * hd, bias=self.use_bias, **kw)
@@ -208,6 +230,9 @@ class SelfAttention(Layer):
             nkw = dict(eps=self.norm_eps, offset=self.norm_offset, dtype=self._dtype)
             self.q_norm = RMSNorm(hd, **nkw)
             self.k_norm = RMSNorm(hd, **nkw)
+        if self.use_sinks:
+            init = initializers.get(self._init, initializers.Zeros())
+            self.sinks = init((self.num_heads,), hd, 1, device.next_key(), self._dtype or float_dtype(dtype))
 
     def _head_norm(self, name, norm, device, x):
         """Per-head RMSNorm of ``x`` ``[B, T, n*hd]`` (each head normalised over its ``hd``)."""
@@ -265,7 +290,8 @@ class SelfAttention(Layer):
             mask = cache.key_mask(t, self.sliding_window)
         if mask is None and self.sliding_window is not None:
             k, v, mask = self._window_mask(t, k, v)
-        o = F.attention(q, k, v, scale=self.scale, causal=self.causal, mask=mask, softcap=self.softcap, device=device)
+        o = F.attention(q, k, v, scale=self.scale, causal=self.causal, mask=mask, softcap=self.softcap,
+                        sinks=self["sinks"] if self.use_sinks else None, device=device)
         o = merge_heads(o, b, t)
         if gate is not None:
             o = o * F.activation(gate, "sigmoid", device=device)
@@ -278,5 +304,9 @@ class SelfAttention(Layer):
             extra += f", sliding_window={self.sliding_window}"
         if self.softcap is not None:
             extra += f", softcap={self.softcap}"
+        if self.use_sinks:
+            extra += ", sinks=True"
+        if self.rope_attention_factor != 1.0:
+            extra += f", rope_attention_factor={self.rope_attention_factor:g}"
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"rope={self.use_rope}" + extra)

@@ -54,6 +54,8 @@ class LatentAttention(Layer):
         bias: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` (``attention_bias``).
         rope_base, rope_scale, rope_freqs: as `metalnn.functional.rope`.
         rope_traditional: rotate adjacent pairs (DeepSeek's ``rope_interleave``) instead of halves.
+        rope_attention_factor: multiplies the rotated query and key parts (YaRN's attention factor,
+            which transformers applies to the cosines and sines).
         scale: score scale (default ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``).
         norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``.
         init: initializer of the projections (default `Linear`'s).
@@ -67,6 +69,7 @@ class LatentAttention(Layer):
     def __init__(self, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, q_lora_rank: int | None = None, bias: bool = False, rope_base: float = 10000.0,
                  rope_traditional: bool = True, rope_scale: float = 1.0, rope_freqs=None, scale: float | None = None,
+                 rope_attention_factor: float = 1.0,
                  norm_eps: float = 1e-6, init=None, dtype=None):
         super().__init__()
         sizes = dict(num_heads=num_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
@@ -91,6 +94,9 @@ class LatentAttention(Layer):
         self.rope_scale = float(rope_scale)
         self._rope_freqs = None if rope_freqs is None else mx.array(rope_freqs, dtype=mx.float32)
         self.scale = float(scale) if scale is not None else self.qk_head_dim ** -0.5
+        self.rope_attention_factor = float(rope_attention_factor)
+        if not self.rope_attention_factor > 0:
+            raise ValueError(f"LatentAttention: rope_attention_factor must be positive, got {rope_attention_factor!r}")
         self.norm_eps = float(norm_eps)
         self._init, self._dtype = init, dtype
 
@@ -109,9 +115,11 @@ class LatentAttention(Layer):
         self.o_proj = Linear(dims.W, bias=self.use_bias, **kw)
 
     def _rotate(self, x, offset, device):
-        """RoPE of ``[B, n, T, rope]`` whose first position is ``offset`` (an int or ``[B]``)."""
-        return F.rope(x, self.qk_rope_head_dim, self.rope_traditional, self.rope_base, self.rope_scale, offset,
-                      self._rope_freqs, device=device)
+        """RoPE of ``[B, n, T, rope]`` whose first position is ``offset`` (an int or ``[B]``), times
+        ``rope_attention_factor`` (YaRN's factor on the rotated cosines and sines, as transformers)."""
+        out = F.rope(x, self.qk_rope_head_dim, self.rope_traditional, self.rope_base, self.rope_scale, offset,
+                     self._rope_freqs, device=device)
+        return out if self.rope_attention_factor == 1.0 else out * self.rope_attention_factor
 
     def _queries(self, device, data):
         """``[B, H, T, nope + rope]``."""

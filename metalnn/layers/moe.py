@@ -1,5 +1,6 @@
-"""Sparse mixture of experts: `SwitchGLU` (many gated MLPs in stacked weights), `SparseMoE` (router
-with top-k routing, experts, optional shared expert) and `load_balancing_loss`.
+"""Sparse mixture of experts: `SwitchGLU` (many gated MLPs in stacked weights), `ClampedSwitchGLU`
+(gpt-oss's experts: biases and a clamped SwiGLU), `SparseMoE` (router with top-k routing, experts,
+optional shared expert) and `load_balancing_loss`.
 
 The experts run as grouped matrix products (``mx.gather_mm``): each token multiplies only the
 weights of the experts it was routed to, with no loop over experts. Names follow Hugging Face's
@@ -92,6 +93,88 @@ class SwitchGLU(Layer):
         return f"num_experts={self.num_experts}, hidden_dims={self.hidden_dims}, activation={self.activation!r}"
 
 
+class ClampedSwitchGLU(Layer):
+    """gpt-oss's experts: ``num_experts`` biased gated MLPs with a clamped SwiGLU, per (token, expert) pair.
+
+    For a token ``x`` and expert ``e``: ``h = x @ gate_up_proj[e] + gate_up_proj_bias[e]`` (``[2*hidden]``,
+    gate and up interleaved: even entries gate, odd entries up), ``g = min(gate, limit)``,
+    ``u = clip(up, -limit, limit)``, ``y = ((u + 1) * g * sigmoid(alpha * g)) @ down_proj[e] + down_proj_bias[e]``.
+
+    Called as `SwitchGLU` (``compile(device, data, indices=idx)``: rows ``[N, W]``, ids ``[N, k]`` ->
+    ``[N, k, W]``). Parameters in transformers' ``GptOssExperts`` layout (input-major):
+    ``gate_up_proj`` ``[E, W, 2*hidden]``, ``gate_up_proj_bias`` ``[E, 2*hidden]``, ``down_proj``
+    ``[E, hidden, W]``, ``down_proj_bias`` ``[E, W]``.
+
+    Args:
+        num_experts: number of experts E.
+        hidden_dims: hidden width of one expert (gpt-oss's ``intermediate_size``).
+        alpha: the sigmoid's gain (``swiglu_alpha``, 1.702).
+        limit: the clamp (``swiglu_limit``, 7.0).
+        init: initializer of both weights (default: N(0, 0.02), transformers' init); biases start at 0.
+        dtype: parameter dtype.
+    """
+
+    fixed_axes = ("W",)
+
+    positional_hint = "{cls}({num_experts}, {hidden_dims}, alpha=..., limit=...)"
+
+    def __init__(self, num_experts: int, hidden_dims: int, *, alpha: float = 1.702, limit: float = 7.0, init=None,
+                 dtype=None):
+        super().__init__()
+        if num_experts <= 0 or hidden_dims <= 0:
+            raise ValueError(f"ClampedSwitchGLU: num_experts and hidden_dims must be positive, got {num_experts}, "
+                             f"{hidden_dims}")
+        if not limit > 0:
+            raise ValueError(f"ClampedSwitchGLU: limit must be positive, got {limit!r}")
+        self.num_experts = int(num_experts)
+        self.hidden_dims = int(hidden_dims)
+        self.alpha = float(alpha)
+        self.limit = float(limit)
+        self._init = initializers.get(init, initializers.Normal(0.02))
+        self._dtype = dtype
+
+    def build(self, device, dims, dtype):
+        dtype = self._dtype or float_dtype(dtype)
+        e, h, w = self.num_experts, self.hidden_dims, dims.W
+        self.gate_up_proj = self._init((e, w, 2 * h), w, 2 * h, device.next_key(), dtype)
+        self.gate_up_proj_bias = mx.zeros((e, 2 * h), dtype)
+        self.down_proj = self._init((e, h, w), h, w, device.next_key(), dtype)
+        self.down_proj_bias = mx.zeros((e, w), dtype)
+
+    def forward(self, device, data, indices=None):
+        if indices is None:
+            raise TypeError(f"{self._describe()}: needs indices= (expert ids [N, k])")
+        x = data.array.reshape(-1, data.dims.W)
+        n, k = indices.shape
+        self.require(n == x.shape[0], f"indices for {x.shape[0]} rows", f"indices of shape {tuple(indices.shape)}")
+        idx = mx.stop_gradient(indices)
+        order = None
+        if idx.size >= SORT_FROM:  # group the (token, expert) pairs by expert: contiguous weight reads
+            flat = idx.flatten()
+            order = mx.argsort(flat)
+            xe = x[order // k][:, None, :]                               # [N*k, 1, W]
+            idx = flat[order]                                            # [N*k]
+        else:
+            xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
+        # (gather_matmul multiplies by the transpose of [E, out, in] weights: hand it the transposed views)
+        h = F.gather_matmul(xe, self.gate_up_proj.swapaxes(-1, -2), idx, order is not None)
+        h = h + self.gate_up_proj_bias[idx][..., None, :]
+        gate = mx.minimum(h[..., ::2], self.limit)
+        up = mx.clip(h[..., 1::2], -self.limit, self.limit)
+        act = (up + 1) * (gate * mx.sigmoid(self.alpha * gate))
+        y = F.gather_matmul(act, self.down_proj.swapaxes(-1, -2), idx, order is not None)      # [..., 1, W]
+        y = y + self.down_proj_bias[idx][..., None, :]
+        if order is not None:
+            y = y[mx.argsort(order)].reshape(n, k, -1)
+        else:
+            y = y.reshape(n, k, -1)
+        return Data(y, MTLSize(x.shape[-1], k, n))
+
+    def _extra_repr(self):
+        return (f"num_experts={self.num_experts}, hidden_dims={self.hidden_dims}, alpha={self.alpha:g}, "
+                f"limit={self.limit:g}")
+
+
 class RouterRecord:
     """The router logits of a `SparseMoE`'s most recent call (kept outside the module's parameter
     tree, so it never enters ``parameters()``, checkpoints or compiled state)."""
@@ -125,6 +208,9 @@ class SparseMoE(Layer):
         shared_expert_dims: hidden width of the shared `SwiGLU` expert (None: no shared expert).
         activation: the experts' gate activation (``silu``).
         record_router_logits: keep the router logits of each call (see above).
+        router_bias: a bias on the router (``gate.bias`` ``[E]``; gpt-oss's).
+        experts: the experts layer, called as `SwitchGLU` (default: a `SwitchGLU` of ``hidden_dims``
+            with ``activation``; gpt-oss passes a `ClampedSwitchGLU`).
         init: initializer of the router, the experts and the shared expert (default: N(0, 0.02)).
         dtype: parameter dtype.
     """
@@ -135,7 +221,7 @@ class SparseMoE(Layer):
 
     def __init__(self, num_experts: int, top_k: int, hidden_dims: int, *, norm_topk_prob: bool = True,
                  shared_expert_dims: int | None = None, activation: str = "silu", record_router_logits: bool = False,
-                 init=None, dtype=None):
+                 router_bias: bool = False, experts: Layer | None = None, init=None, dtype=None):
         super().__init__()
         if not 0 < int(top_k) <= int(num_experts):
             raise ValueError(f"SparseMoE: top_k must be in [1, num_experts={num_experts}], got {top_k}")
@@ -143,8 +229,10 @@ class SparseMoE(Layer):
         self.top_k = int(top_k)
         self.norm_topk_prob = bool(norm_topk_prob)
         init = initializers.get(init, initializers.Normal(0.02))
-        self.gate = Linear(self.num_experts, bias=False, init=init, dtype=dtype)
-        self.experts = SwitchGLU(self.num_experts, hidden_dims, activation=activation, init=init, dtype=dtype)
+        self.gate = Linear(self.num_experts, bias=bool(router_bias), init=init, bias_init=init if router_bias else None,
+                           dtype=dtype)
+        self.experts = (experts if experts is not None
+                        else SwitchGLU(self.num_experts, hidden_dims, activation=activation, init=init, dtype=dtype))
         if shared_expert_dims:
             self.shared_expert = SwiGLU(int(shared_expert_dims), activation=activation, init=init, init_out=init,
                                         dtype=dtype)

@@ -99,10 +99,11 @@ class DecoderBlock(Layer):
     def _step_plan(self):
         """The block as `metalnn.functional.BlockStep` (for decoding one position), or None when its
         layers are not of the form the fused step runs (RMSNorms, `SelfAttention` without an output
-        gate, a gated `MLP` without active dropout; float32 or GGML projections, no adapters)."""
+        gate, soft-cap or attention sinks, a gated `MLP` without active dropout; float32 or GGML
+        projections, no adapters). YaRN's attention factor is part of the attention's ``scale``."""
         attn, mlp = self[self.mixer_name], self["mlp"]
         if (type(attn) is not SelfAttention or attn.output_gate or not attn.causal or attn.head_dim is None
-                or attn.softcap is not None):
+                or attn.softcap is not None or attn.use_sinks):
             return None
         if type(mlp) not in (MLP, SwiGLU) or not mlp.is_gated:
             return None
@@ -164,7 +165,8 @@ class TransformerBlock(DecoderBlock):
             on o_proj (Qwen2 has q/k/v biases only).
         mlp_bias: biases on the SwiGLU projections.
         activation: SwiGLU gate activation (``silu``).
-        causal, rope, rope_base, rope_traditional, rope_scale, rope_freqs, rope_dims: see `SelfAttention`
+        causal, rope, rope_base, rope_traditional, rope_scale, rope_freqs, rope_dims, rope_attention_factor:
+            see `SelfAttention`
             (``rope=False``: a block without position embeddings, as SmolLM3's NoPE layers).
         qk_norm, sliding_window: see `SelfAttention` (Qwen3's q/k norms, Mistral's window).
         init, dtype: initializer and dtype of the projections.
@@ -176,13 +178,14 @@ class TransformerBlock(DecoderBlock):
                  head_dim: int | None = None, eps: float = 1e-5, attention_bias: bool = False,
                  attention_out_bias: bool | None = None, mlp_bias: bool = False, activation: str = "silu",
                  causal: bool = True, rope: bool = True, rope_base: float = 10000.0, rope_traditional: bool = False,
-                 rope_scale: float = 1.0, rope_freqs=None, rope_dims: int | None = None, qk_norm: bool = False,
-                 sliding_window: int | None = None, init=None, dtype=None):
+                 rope_scale: float = 1.0, rope_freqs=None, rope_dims: int | None = None,
+                 rope_attention_factor: float = 1.0, qk_norm: bool = False, sliding_window: int | None = None,
+                 init=None, dtype=None):
         attn = SelfAttention(num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=attention_bias,
                              out_bias=attention_out_bias, causal=causal, rope=rope, rope_base=rope_base,
                              rope_traditional=rope_traditional, rope_scale=rope_scale, rope_freqs=rope_freqs,
-                             rope_dims=rope_dims, qk_norm=qk_norm, sliding_window=sliding_window, norm_eps=eps,
-                             init=init, dtype=dtype)
+                             rope_dims=rope_dims, rope_attention_factor=rope_attention_factor, qk_norm=qk_norm,
+                             sliding_window=sliding_window, norm_eps=eps, init=init, dtype=dtype)
         mlp = SwiGLU(mlp_dims, bias=mlp_bias, activation=activation, init=init, init_out=init, dtype=dtype)
         super().__init__(attn, mlp, eps=eps, dtype=dtype)
 

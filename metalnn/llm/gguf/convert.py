@@ -150,9 +150,17 @@ class Converter:
             cfg["partial_rotary_factor"] = int(rope_dims) / head_dim
         kind = meta.get(p + "rope.scaling.type")
         if kind not in (None, "none"):
-            if kind != "linear":
-                raise UnsupportedConfigError(f"{header.path}: {p}rope.scaling.type {kind!r} is not supported (linear)")
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+            if kind not in ("linear", "yarn"):
+                raise UnsupportedConfigError(f"{header.path}: {p}rope.scaling.type {kind!r} is not supported "
+                                             "(linear, yarn)")
+            cfg["rope_scaling"] = {"rope_type": kind, "factor": float(meta[p + "rope.scaling.factor"])}
+            if kind == "yarn":  # the keys llama.cpp's converter writes from the YaRN parameters
+                cfg["rope_scaling"]["original_max_position_embeddings"] = self.meta_int(
+                    "rope.scaling.original_context_length")
+                for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                                  ("yarn_attn_factor", "attention_factor")):
+                    if p + "rope.scaling." + key in meta:
+                        cfg["rope_scaling"][name] = float(meta[p + "rope.scaling." + key])
         cfg.update(self.extra_config(cfg))
         self.check_sizes(cfg)
         return cfg

@@ -10,9 +10,10 @@ Every decoder layer is a `DecoderBlock` (RMSNorms) whose ``self_attn`` is a `Lat
 
 Rotary embeddings rotate the last ``qk_rope_head_dim`` features of each query/key head, adjacent
 pairs when ``rope_interleave`` (the checkpoints' layout, transformers' default), halves otherwise.
-The score scale is `softmax_scale` (``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``; the one place
-a rope scaling's attention factor would enter). Rope types: those of `rope_options` (YaRN, which
-DeepSeek-V3's released checkpoints use, is refused with `UnsupportedConfigError` naming it).
+The score scale is `softmax_scale` (``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times
+``mscale ** 2`` under a YaRN rope scaling with ``mscale_all_dim``, as transformers). Rope types: those of
+`rope_options`, YaRN (which DeepSeek-V3's released checkpoints use) included: its attention factor
+multiplies the rotated query and key parts.
 
 Caches hold the compressed latent ``[B, 1, T, kv_lora_rank]`` and the rotated key ``[B, 1, T,
 qk_rope_head_dim]`` per layer (`LatentAttention`); decoding attends in the latent space (the absorbed
@@ -25,6 +26,8 @@ for ``i >= num_hidden_layers``) are dropped. GGUF files: ``deepseek2``
 """
 
 from __future__ import annotations
+
+import math
 
 import re
 from dataclasses import dataclass, field
@@ -131,7 +134,8 @@ class ModelArgs(BaseModelArgs):
         if self.first_k_dense_replace < 0:
             refuse("first_k_dense_replace", self.first_k_dense_replace, "a non-negative integer")
         self.rope = rope_options(self.qk_rope_head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-                                 rope_parameters=self.rope_parameters, partial_rotary_factor=1.0)
+                                 rope_parameters=self.rope_parameters, partial_rotary_factor=1.0,
+                                 max_position_embeddings=self.max_position_embeddings)
         self.rope.pop("rope_dims")  # (every one of qk_rope_head_dim features is rotated)
 
     def is_sparse(self, layer: int) -> bool:
@@ -140,9 +144,18 @@ class ModelArgs(BaseModelArgs):
 
 
 def softmax_scale(args: ModelArgs) -> float:
-    """The attention score scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``. (A YaRN rope
-    scaling multiplies it by ``mscale ** 2``, as transformers' ``yarn_apply_mscale``: the hook for it.)"""
-    return (args.qk_nope_head_dim + args.qk_rope_head_dim) ** -0.5
+    """The attention score scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times
+    ``mscale ** 2`` when a rope scaling (YaRN) sets ``mscale_all_dim`` (``mscale = 0.1 * mscale_all_dim *
+    ln(factor) + 1`` for factors above 1), as transformers' ``yarn_apply_mscale``."""
+    scale = (args.qk_nope_head_dim + args.qk_rope_head_dim) ** -0.5
+    params = args.rope_parameters or args.rope_scaling or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    all_dim = params.get("mscale_all_dim") or 0
+    factor = float(params.get("factor") or 1.0)
+    if kind != "default" and all_dim and factor > 1:
+        mscale = 0.1 * float(all_dim) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:

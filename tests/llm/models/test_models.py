@@ -176,9 +176,9 @@ def test_unsupported_rope_type(checkpoints, tmp_path):
     _, folder = checkpoints["mha_linear"]
     cfg = json.loads((folder / "config.json").read_text())
     cfg.pop("rope_scaling", None)
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(mn.models.UnsupportedConfigError, match="yarn"):
+    with pytest.raises(mn.models.UnsupportedConfigError, match="dynamic"):
         load_pretrained(tmp_path)
 
 

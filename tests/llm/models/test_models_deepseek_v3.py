@@ -113,6 +113,25 @@ def test_logits_match_transformers(name, checkpoints):
     assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
 
 
+#: DeepSeek-V3's released rope scaling, scaled down: YaRN from 16 positions, with mscale and mscale_all_dim
+#: different (their ratio multiplies the rotated parts, mscale_all_dim's square the score scale)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.3, "mscale_all_dim": 0.7}
+
+
+def test_yarn_rope_scaling_matches_transformers(tmp_path):
+    """Logits past the original length and greedy tokens through the caches (absorbed decoding) with
+    DeepSeek-V3's YaRN: the attention factor on the rotated parts and mscale_all_dim on the score scale."""
+    hf = deepseek(**dict(CONFIGS["lora"], rope_parameters=YARN))
+    model = save_and_load(hf, tmp_path)
+    assert model.model.layers[0].self_attn.rope_attention_factor != 1.0
+    toks = tokens(VOCAB, (2, 40), seed=6)
+    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
+    assert err < LOGITS_TOL, f"yarn: logits differ by {err:.3g}"
+    prompt = tokens(VOCAB, (1, 12), seed=7)
+    assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()
+
+
 def test_correction_bias_changes_the_choice(checkpoints):
     """The perturbed bias matters (so a model ignoring it would fail the comparisons): zeroing it changes logits."""
     hf, model, folder = checkpoints["lora"]
@@ -281,9 +300,8 @@ def test_info_names_the_features(checkpoints):
 
 def test_bad_configs_name_the_field():
     cfg = dict(CONFIGS["lora"], architectures=["DeepseekV3ForCausalLM"])
-    with pytest.raises(UnsupportedConfigError, match=r"rope type 'yarn' is not supported"):
-        mn.models.from_config(dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                      "original_max_position_embeddings": 64}))
+    with pytest.raises(UnsupportedConfigError, match=r"rope type 'dynamic' is not supported"):
+        mn.models.from_config(dict(cfg, rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
     with pytest.raises(UnsupportedConfigError, match=r"scoring_func = 'softmax'"):
         mn.models.from_config(dict(cfg, scoring_func="softmax"))
     with pytest.raises(UnsupportedConfigError, match=r"n_group = 3"):

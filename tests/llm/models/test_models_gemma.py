@@ -287,8 +287,8 @@ def test_gguf_metadata_llama_cpp_reads(gguf_models, tmp_path):
     ("Gemma3ForCausalLM", "layer_types", ["sliding_attention", "chunked_attention", "full_attention"],
      "layer_types[1] = 'chunked_attention' is not supported"),
     ("Gemma3ForCausalLM", "query_pre_attn_scalar", 0, "query_pre_attn_scalar = 0.0 is not supported"),
-    ("Gemma3ForCausalLM", "rope_parameters", {"full_attention": {"rope_type": "yarn", "factor": 2.0}},
-     "rope type 'yarn' is not supported"),
+    ("Gemma3ForCausalLM", "rope_parameters", {"full_attention": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope type 'dynamic' is not supported"),
 ])
 def test_unsupported_values_are_named(arch, key, value, words):
     cfg = dict(BASE, architectures=[arch])

@@ -8,8 +8,9 @@ import pytest
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.models import (ARCHITECTURES, CausalLM, deepseek_v3, gemma2, gemma3, gpt2, lfm2, llama, mistral, mixtral,
-                                phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3)
+from metalnn.llm.models import (ARCHITECTURES, CausalLM, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, lfm2, llama,
+                                mistral, mixtral, phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
+                                smollm3)
 from metalnn.llm.models.registry import Registry, register
 
 LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -44,7 +45,8 @@ def test_one_registry_keyed_three_ways():
              "Qwen3_5MoeForCausalLM": mn.models.Qwen3_5MoeForCausalLM,
              "Qwen3_5MoeForConditionalGeneration": mn.models.Qwen3_5MoeForCausalLM,
              "DeepseekV3ForCausalLM": mn.models.DeepseekV3ForCausalLM,
-             "Lfm2ForCausalLM": mn.models.Lfm2ForCausalLM, "LFM2ForCausalLM": mn.models.Lfm2ForCausalLM}
+             "Lfm2ForCausalLM": mn.models.Lfm2ForCausalLM, "LFM2ForCausalLM": mn.models.Lfm2ForCausalLM,
+             "GptOssForCausalLM": mn.models.GptOssForCausalLM}
     assert dict(ARCHITECTURES) == names
     types = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
@@ -52,7 +54,8 @@ def test_one_registry_keyed_three_ways():
              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
-             "deepseek_v3": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+             "deepseek_v3": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM",
+             "gpt_oss": "GptOssForCausalLM"}
     for model_type, name in types.items():
         assert ARCHITECTURES.for_model_type(model_type).model is names[name]
         assert mn.models.model_class({"model_type": model_type}) is names[name]
@@ -60,7 +63,8 @@ def test_one_registry_keyed_three_ways():
              "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
              "qwen3moe": "Qwen3MoeForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
-             "deepseek2": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+             "deepseek2": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM",
+             "gpt-oss": "GptOssForCausalLM"}
     assert set(ARCHITECTURES.gguf_converters()) == set(ggufs)
     for arch, name in ggufs.items():
         entry = ARCHITECTURES.for_gguf(arch)
@@ -104,7 +108,7 @@ def test_register_refuses_a_taken_key_and_a_class_without_model_args():
 
 
 @pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5, phi3, gemma2, gemma3,
-                                    smollm3, mixtral, qwen3_moe, qwen3_5_moe, deepseek_v3, lfm2])
+                                    smollm3, mixtral, qwen3_moe, qwen3_5_moe, deepseek_v3, lfm2, gpt_oss])
 def test_model_args_ignore_unknown_keys_and_name_missing_ones(module):
     required = [f.name for f in dataclasses.fields(module.ModelArgs)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -137,8 +141,8 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
 @pytest.mark.parametrize("module, key, value, words", [
     (llama, "hidden_act", "swiglu7", "hidden_act = 'swiglu7' is not supported (supported: "),
     (llama, "num_hidden_layers", 2.5, "num_hidden_layers = 2.5 is not supported (supported: an integer)"),
-    (llama, "rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope type 'yarn' is not supported (supported: "
-                                                                   "default, linear, llama3)"),
+    (llama, "rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic' is not supported (supported: "
+                                                                      "default, linear, llama3, yarn)"),
     (gpt2, "activation_function", "mish", "activation_function = 'mish' is not supported (supported: gelu_new"),
     (gpt2, "add_cross_attention", True, "add_cross_attention = True is not supported"),
     (mistral, "sliding_window", -4, "sliding_window = -4 is not supported (supported: a positive integer or null)"),
@@ -155,9 +159,10 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
     (smollm3, "no_rope_layers", [1, -1], "no_rope_layers[1] = -1 is not supported (supported: 1 (RoPE), 0 (no RoPE))"),
     (mixtral, "num_experts_per_tok", 9,
      "num_experts_per_tok = 9 is not supported (supported: an integer in [1, num_local_experts=8])"),
+    (gpt_oss, "num_local_experts", 0, "num_local_experts = 0 is not supported (supported: a positive integer)"),
+    (gpt_oss, "layer_types", ["full_attention"], "layer_types must list one entry per layer (num_hidden_layers=2)"),
     (mixtral, "router_jitter_noise", 0.1, "router_jitter_noise = 0.1 is not supported (supported: 0 (router noise"),
     (deepseek_v3, "scoring_func", "softmax", "scoring_func = 'softmax' is not supported (supported: sigmoid)"),
-    (deepseek_v3, "rope_scaling", {"rope_type": "yarn", "factor": 40.0}, "rope type 'yarn' is not supported"),
     (smollm3, "sliding_window", 0, "sliding_window = 0 is not supported (supported: a positive integer or null)"),
     (lfm2, "layer_types", ["conv", "linear_attention"],
      "layer_types[1] = 'linear_attention' is not supported (supported: conv, full_attention)"),
