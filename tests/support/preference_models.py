@@ -90,6 +90,7 @@ def trl_steps(method, folder, records, out_dir, steps=3, batch_size=2, lr=0.5, *
     from datasets import Dataset
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # tiny matrices: threads only contend on a busy machine
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     tok.pad_token = tok.eos_token
