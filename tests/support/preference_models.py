@@ -7,18 +7,16 @@ float32 on the CPU) and returns the loss and the metrics it logs at each step.""
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 import transformers
 
 from metalnn.llm.tokenizer import Tokenizer
 
-from .app_models import CHATML, tiny_tokenizer
-from .hf_models import hf_model
+from app_models import CHATML, tiny_tokenizer
+from hf_models import hf_model
 
 transformers.logging.set_verbosity_error()
-os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def bos_tokenizer() -> Tokenizer:

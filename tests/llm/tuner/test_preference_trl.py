@@ -18,7 +18,7 @@ from metalnn.cli.train_options import make_optimizer
 from metalnn.llm.models import load_pretrained, load_tokenizer
 from metalnn.llm.tuner import preference as pref
 from metalnn.llm.tuner import preference_data as pdata
-from tests.support.preference_models import (STANDARD_PAIRS, conversational, save_preference_model, trl_steps,
+from preference_models import (STANDARD_PAIRS, conversational, save_preference_model, trl_steps,
                                              unpaired, unpaired_conversational, write_jsonl)
 
 STEPS, BATCH, LR = 3, 2, 0.5
