@@ -34,7 +34,11 @@ class Trainer:
         loss_fn: ``loss_fn(model, batch, device) -> scalar mx.array``; ``batch`` is whatever the
             data source yields (typically a tuple of arrays). Draw any randomness from
             ``device.next_key()`` (as `Dropout` does): the device key is checkpointed, MLX's global
-            random state is not.
+            random state is not. A loss_fn with a ``state`` attribute (a dict tree of arrays whose
+            structure stays the same) has it taken in and given back by the compiled step, and
+            evaluated with the loss: arrays the loss reads besides the model's (a frozen reference
+            model) and arrays it stores while it runs (metrics: after `step`, ``loss_fn.state``
+            holds that step's values).
         device: the `Device` (its key drives dropout and is checkpointed).
         compile: run the step through ``mx.compile`` (default True; always off on the ``emulate``
             kernel path, whose emulated kernels run eagerly).
@@ -117,9 +121,13 @@ class Trainer:
             return loss
 
         if self.use_compile:
-            state = [model.state, optimizer.state, device.rng_state, mx.random.state]
+            state = [model.state, optimizer.state, device.rng_state, mx.random.state, *self._loss_state()]
             step = partial(mx.compile, inputs=state, outputs=state)(step)
         return step
+
+    def _loss_state(self) -> list:
+        state = getattr(self.loss_fn, "state", None)
+        return [state] if isinstance(state, dict) else []
 
     def step(self, batch):
         """Run one optimisation step on ``batch`` (this process's share of it, in a data-parallel
@@ -133,7 +141,7 @@ class Trainer:
             self._step_fn = self._make_step()
         with _mode(self.model, training=True):
             loss = self._step_fn(batch)
-            mx.eval(loss, self.model.parameters(), self.optimizer.state, self.device.rng_state)
+            mx.eval(loss, self.model.parameters(), self.optimizer.state, self.device.rng_state, self._loss_state())
         value = loss.item()
         self.step_count += 1
         if not math.isfinite(value):
