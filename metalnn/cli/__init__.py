@@ -7,6 +7,7 @@
     metalnn quantize MODEL OUT              write a quantized copy
     metalnn export MODEL OUT.gguf           write a GGUF file for llama.cpp / Ollama (--type Q4_K_M)
     metalnn lora MODEL --train DATA.jsonl   train LoRA adapters (PEFT format)
+    metalnn grpo MODEL --train P.jsonl --reward mod:fn   GRPO with reward functions (as TRL)
     metalnn bench MODEL                     prompt and generation speed
 
 MODEL is anything `metalnn.llm.models.load_pretrained` accepts: a Hugging Face folder (float or
@@ -19,10 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chat, export, generate, info, lora, quantize, serve
+from . import bench, chat, export, generate, grpo, info, lora, quantize, serve
 from .common import EXPECTED_ERRORS, one_line
 
 COMMANDS = (info, generate, chat, serve, quantize, export, lora, bench)
+COMMANDS += (grpo,)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -402,11 +402,13 @@ class GRPOTrainer:
         max_grad_norm: clip the global gradient norm (None or 0: no clipping).
         seed: the prompt order and the sampling seeds derive from it.
         device: the `metalnn.Device`.
+        steps: the run's length (reward functions see it as ``trainer_state.max_steps``).
+        max_prompt_length: longer prompts keep their last ``max_prompt_length`` tokens (None: whole).
     """
 
     def __init__(self, model, tokenizer, reward_funcs, train_data, config: GRPOConfig | None = None, *,
                  optimizer=None, ref_model=None, batch_size: int = 8, max_grad_norm: float | None = 1.0,
-                 seed: int = 0, device=None, steps: int | None = None):
+                 seed: int = 0, device=None, steps: int | None = None, max_prompt_length: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not self.reward_funcs:
@@ -429,6 +431,7 @@ class GRPOTrainer:
         self.optimizer = optimizer or optim.AdamW(learning_rate=1e-6, eps=1e-8, weight_decay=0.0)
         self.max_grad_norm = max_grad_norm or None
         self.seed, self.device, self.max_steps = int(seed), device, steps
+        self.max_prompt_length = max_prompt_length
         self.eos = _eos_ids(tokenizer, model)
         self.pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
         self.step_count = 0
@@ -436,6 +439,7 @@ class GRPOTrainer:
         self.history: list = []
         self._rollout: Rollout | None = None
         self._user_metrics: dict = {}
+        self.reward_errors: dict = {}  # {function name: the last exception's message}
         self._loss_and_grad = nn.value_and_grad(model, self._loss)
 
     # -- rollouts ----------------------------------------------------------------------------
@@ -459,6 +463,8 @@ class GRPOTrainer:
         g = num_generations or self.config.num_generations
         rows = [r for r in records for _ in range(g)]
         prompts = [prompt_ids(self.tokenizer, r["prompt"]) for r in records]
+        if self.max_prompt_length:
+            prompts = [p[-self.max_prompt_length:] for p in prompts]
         row_prompts = [p for p in prompts for _ in range(g)]
         sampled = sample_completions(self.model, row_prompts, self.config, self.eos, seed=seed, device=self.device)
         cut = [cut_at_eos(ids, self.eos) for ids in sampled]
@@ -495,8 +501,10 @@ class GRPOTrainer:
         columns = {k: [r.get(k) for r in ro.records] for k in ro.records[0] if k not in skip}
         state = SimpleNamespace(global_step=self.step_count, max_steps=self.max_steps)
         extra = {"trainer_state": state, "log_metric": self._log_metric}
-        return rw.score(self.reward_funcs, [r["prompt"] for r in ro.records], ro.completions, ro.completion_ids,
-                        columns, extra)
+        scores = rw.score(self.reward_funcs, [r["prompt"] for r in ro.records], ro.completions, ro.completion_ids,
+                          columns, extra)
+        self.reward_errors.update(scores.errors)
+        return scores
 
     def reference_logps(self, batch: Completions):
         """The reference model's per-token log-probabilities of ``batch`` (no gradient)."""
@@ -537,10 +545,10 @@ class GRPOTrainer:
             grads, grad_norm = optim.clip_grad_norm(grads, self.max_grad_norm)
         else:
             grad_norm = optim.clip_grad_norm(grads, float("inf"))[1]
-        lr = self.optimizer.learning_rate
-        lr = float(lr.item() if isinstance(lr, mx.array) else lr)
         self.optimizer.update(self.model, grads)
         mx.eval(loss, metrics, grad_norm, self.model.parameters(), self.optimizer.state)
+        lr = self.optimizer.learning_rate  # (after the update: the rate it used)
+        lr = float(lr.item() if isinstance(lr, mx.array) else lr)
         self.step_count += 1
         out = {"loss": float(loss.item()), "grad_norm": float(grad_norm.item()), "learning_rate": lr}
         out.update(self.rollout_metrics(ro, counted=new))
