@@ -8,6 +8,7 @@
     metalnn export MODEL OUT.gguf           write a GGUF file for llama.cpp / Ollama (--type Q4_K_M)
     metalnn lora MODEL --train DATA.jsonl   train LoRA adapters (PEFT format)
     metalnn dpo|orpo|kto MODEL --train ...  preference fine-tuning (TRL's losses and data)
+    metalnn grpo MODEL --train P.jsonl --reward mod:fn   GRPO with reward functions (as TRL)
     metalnn bench MODEL                     prompt and generation speed
 
 MODEL is anything `metalnn.llm.models.load_pretrained` accepts: a Hugging Face folder (float or
@@ -20,10 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chat, export, generate, info, lora, preference, quantize, serve
+from . import bench, chat, export, generate, grpo, info, lora, preference, quantize, serve
 from .common import EXPECTED_ERRORS, one_line
 
-COMMANDS = (info, generate, chat, serve, quantize, export, lora, preference, bench)
+COMMANDS = (info, generate, chat, serve, quantize, export, lora, preference, grpo, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,9 +29,7 @@ from app_models import save_tiny_model
 from commands import assert_one_line_error, metalnn_cmd
 from bundled_model import smollm2_file
 
-COMMANDS = ("info", "generate", "chat", "serve", "quantize", "lora", "bench")
-
-
+COMMANDS = ("info", "generate", "chat", "serve", "quantize", "export", "lora", "dpo", "orpo", "kto", "grpo", "bench")
 
 
 @pytest.fixture(scope="module")
