@@ -19,6 +19,9 @@ The scan itself is `metalnn.functional.ssd_scan` (heads of width ``head_dim``, `
 groups of B/C of size ``state_size``): chunked for prompts and training, one recurrent step per
 decoded token, Metal kernels on ``kernels="metal"``/``"emulate"``.
 
+transformers clamps dt to ``time_step_limit`` in its chunked scan but not in its one-token step;
+this layer clamps in both (the default limit, ``(0, inf)``, changes nothing).
+
 For decoding pass a `Mamba2Cache` to ``compile(device, data, cache=...)``: it keeps the last
 ``conv_kernel - 1`` convolution inputs and the state ``[B, num_heads, head_dim, state_size]``.
 """
