@@ -6,7 +6,7 @@
 >>> model.save_pretrained("out/")                                   # transformers can load it
 
 One architecture a module (``llama``, ``gpt2``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral``, ``mixtral``,
-``qwen3_next``, ``qwen3_5``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
+``qwen3_next``, ``qwen3_5``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``, ``granitemoehybrid``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
 subclass built from shared blocks (`metalnn.layers`, `decoder`, `hybrid`, `rope`, `experts`) that registers itself
 in `ARCHITECTURES` (`registry`: keyed by Hugging Face architecture, ``model_type`` and GGUF architecture). Checkpoints:
 Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) and Hub names
@@ -15,7 +15,7 @@ Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) a
 Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3NextForCausalLM``,
 ``Qwen3_5ForCausalLM`` (also the text model of a ``Qwen3_5ForConditionalGeneration`` folder),
-``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM`` and ``MixtralForCausalLM``.
+``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM``, ``MixtralForCausalLM`` and ``GraniteMoeHybridForCausalLM``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .base import BaseModelArgs, CausalLM
 from .gemma2 import Gemma2ForCausalLM
 from .gemma3 import Gemma3ForCausalLM
 from .gpt2 import GPT2LMHeadModel
+from .granitemoehybrid import GraniteMoeHybridForCausalLM
 from .llama import LlamaForCausalLM, llama_config
 from .loading import from_config, load_pretrained, read_config, read_gguf
 from .mistral import MistralForCausalLM
@@ -45,4 +46,4 @@ __all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "Gemma2ForCausalLM", "G
            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "SmolLM3ForCausalLM",
            "Tokenizer",
            "UnsupportedConfigError", "char_tokenizer", "from_config", "gguf", "llama_config", "load_pretrained",
-           "load_tokenizer", "model_class", "read_config", "read_gguf", "register"]
+           "load_tokenizer", "model_class", "read_config", "read_gguf", "register", "GraniteMoeHybridForCausalLM"]
