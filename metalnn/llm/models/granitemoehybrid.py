@@ -51,6 +51,7 @@ from ...layers.linear import Linear
 from ...layers.mamba2 import Mamba2, Mamba2Cache
 from ...layers.moe import SparseMoE
 from ...layers.norm import RMSNorm
+from ..gguf.converters.granitehybrid import GraniteHybridConverter
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import DecoderStack
 from .experts import RoutedExperts
@@ -291,7 +292,7 @@ def _rename(name: str, table) -> str:
     return name
 
 
-@register("GraniteMoeHybridForCausalLM", model_types=("granitemoehybrid",))
+@register("GraniteMoeHybridForCausalLM", model_types=("granitemoehybrid",), gguf=GraniteHybridConverter)
 class GraniteMoeHybridForCausalLM(RoutedExperts, CausalLM):
     """Granite 4 hybrid built from a Hugging Face ``GraniteMoeHybridConfig`` dict (`ModelArgs` lists
     the keys read).

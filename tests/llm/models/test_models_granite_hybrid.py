@@ -272,3 +272,37 @@ def test_config_forms_and_bad_configs(checkpoints):
         mn.models.from_config(dict(cfg, position_embedding_type="alibi"))
     with pytest.raises(UnsupportedConfigError, match=r"time_step_limit = \[0.1\]"):
         mn.models.from_config(dict(cfg, time_step_limit=[0.1]))
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------
+# llama.cpp's granitehybrid graph has no rotary embedding on a hybrid, so the GGUF models are the two
+# configs without it. gguf_granite_files writes them the converter's way (checked against
+# convert_hf_to_gguf.py itself on both configs: the same tensor names, types, shapes and bytes, and the
+# same non-tokenizer metadata, for --outtype f32 and q8_0).
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_gguf_file_gives_transformers_logits_and_tokens(name, qtype, tmp_path):
+    import gguf_granite_files
+    from gguf import GGMLQuantizationType as Q
+
+    hf = perturb(hf_model(transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM,
+                          **dict(CONFIGS[name], position_embedding_type=None)))
+    if qtype == "Q8_0":  # transformers holds the same Q8_0 / F16 values the file does
+        hf = gguf_granite_files.q8_0_values(hf)
+    path = gguf_granite_files.write(tmp_path / "granite.gguf", hf, qtype=getattr(Q, qtype))
+    model = small_chunks(load_pretrained(path))
+    assert type(model) is mn.models.GraniteMoeHybridForCausalLM
+    assert [b.mixer_name for b in model.model.layers] == MIXERS[name]
+    # (GGUF keeps the multipliers as float32)
+    assert model.args.rope is None and model.args.logits_scaling == np.float32(CONFIGS[name]["logits_scaling"])
+    if qtype == "Q8_0":
+        assert "quantization" in model.config  # the 32-wide matrices stay Q8_0 (as MLX's 8-bit groups)
+        i = MIXERS[name].index("mamba")
+        assert type(model.model.layers[i].mamba.in_proj).__name__ == "QuantizedLinear"
+    toks = tokens(VOCAB, (2, 20), seed=1)
+    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
+    assert err < LOGITS_TOL, f"{name} {qtype}: logits differ by {err:.3g}"
+    prompt = tokens(VOCAB, (1, 9), seed=2)
+    assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()

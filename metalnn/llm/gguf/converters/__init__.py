@@ -2,6 +2,7 @@
 ``convert_hf_to_gguf.py`` has one class per model): ``llama``, ``qwen2``, ``qwen3``, ``smollm3`` (renamed
 by the tables, Llama's Q/K rows and rope factors restored) and the hybrid Gated DeltaNet layouts
 ``qwen3next`` and ``qwen35`` (`hybrid`: norm offsets, ``ssm_a``, split projections, head orders
-undone), and ``gemma2`` / ``gemma3`` (norm gains stored as ``1 + weight``). A model declares the converter of its files when it registers
+undone), and ``gemma2`` / ``gemma3`` (norm gains stored as ``1 + weight``), ``granitehybrid`` (Granite 4 hybrid: Mamba2
+tensors, experts and shared MLP regrouped, Q/K rows restored). A model declares the converter of its files when it registers
 (`metalnn.llm.models.registry.register`); there is no second table here.
 """
