@@ -9,7 +9,7 @@ import pytest
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import (ARCHITECTURES, CausalLM, gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, qwen2,
-                                qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3)
+                                qwen3, qwen3_5, qwen3_moe, qwen3_next, smollm3, granitemoehybrid)
 from metalnn.llm.models.registry import Registry, register
 
 LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -25,6 +25,8 @@ def _config(module) -> dict:
         return dict(vocab_size=40, n_embd=32, n_layer=2, n_head=4)
     if module in (qwen3_next, qwen3_5):
         return dict(HYBRID)
+    if module is granitemoehybrid:
+        return dict(LLAMA, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_state=8)
     return dict(LLAMA, sliding_window=4)
 
 
@@ -38,20 +40,22 @@ def test_one_registry_keyed_three_ways():
              "Qwen3_5ForConditionalGeneration": mn.models.Qwen3_5ForCausalLM,
              "Gemma2ForCausalLM": mn.models.Gemma2ForCausalLM, "Gemma3ForCausalLM": mn.models.Gemma3ForCausalLM,
              "Gemma3ForConditionalGeneration": mn.models.Gemma3ForCausalLM,
-             "SmolLM3ForCausalLM": mn.models.SmolLM3ForCausalLM, "MixtralForCausalLM": mn.models.MixtralForCausalLM}
+             "SmolLM3ForCausalLM": mn.models.SmolLM3ForCausalLM, "MixtralForCausalLM": mn.models.MixtralForCausalLM,
+             "GraniteMoeHybridForCausalLM": mn.models.GraniteMoeHybridForCausalLM}
     assert dict(ARCHITECTURES) == names
     types = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
              "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-             "smollm3": "SmolLM3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+             "smollm3": "SmolLM3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
     for model_type, name in types.items():
         assert ARCHITECTURES.for_model_type(model_type).model is names[name]
         assert mn.models.model_class({"model_type": model_type}) is names[name]
     ggufs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM", "phi3": "Phi3ForCausalLM",
              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-             "qwen3moe": "Qwen3MoeForCausalLM"}
+             "qwen3moe": "Qwen3MoeForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM"}
     assert set(ARCHITECTURES.gguf_converters()) == set(ggufs)
     for arch, name in ggufs.items():
         entry = ARCHITECTURES.for_gguf(arch)
@@ -93,7 +97,7 @@ def test_register_refuses_a_taken_key_and_a_class_without_model_args():
 
 
 @pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5, phi3, gemma2, gemma3,
-                                    smollm3, mixtral, qwen3_moe])
+                                    smollm3, mixtral, qwen3_moe, granitemoehybrid])
 def test_model_args_ignore_unknown_keys_and_name_missing_ones(module):
     required = [f.name for f in dataclasses.fields(module.ModelArgs)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -144,6 +148,9 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
      "num_experts_per_tok = 9 is not supported (supported: an integer in [1, num_local_experts=8])"),
     (mixtral, "router_jitter_noise", 0.1, "router_jitter_noise = 0.1 is not supported (supported: 0 (router noise"),
     (smollm3, "sliding_window", 0, "sliding_window = 0 is not supported (supported: a positive integer or null)"),
+    (granitemoehybrid, "mamba_n_groups", 3, "mamba_n_groups = 3 is not supported (supported: a divisor of mamba_n_heads"),
+    (granitemoehybrid, "layer_types", ["mamba", "sliding_attention"],
+     "layer_types[1] = 'sliding_attention' is not supported (supported: linear_attention, mamba, full_attention"),
 ])
 def test_unsupported_values_name_the_field_the_value_and_what_is_supported(module, key, value, words):
     config = _config(module)
