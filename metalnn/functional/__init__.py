@@ -22,10 +22,11 @@ from .optim import adamw_update
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from .quantized import dequantize_weight, quantize_weight, quantized_matmul
 from .rope import rope, rope_reference
+from .ssd import ssd_scan
 
 __all__ = ["activation", "check_activation", "gated_activation", "attention", "attention_reference", "causal_mask",
            "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
            "BlockStep", "decoder_block_step",
            "gated_delta_rule", "gather_matmul", "ggml_matmul", "ggml_dequantize", "cross_entropy_rows", "adamw_update", "quantize_weight", "dequantize_weight",
            "quantized_matmul", "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
-           "rope", "rope_reference"]
+           "rope", "rope_reference", "ssd_scan"]

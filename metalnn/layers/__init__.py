@@ -13,11 +13,12 @@ from .gated_deltanet import GatedDeltaCache, GatedDeltaNet
 from .state_cache import StateCache
 from .ggml import GGMLEmbedding, GGMLLinear
 from .kmeans import KMeans
+from .mamba2 import Mamba2, Mamba2Cache
 from .linear import Linear, LinearWithWeights, MulRows
 from .mlp import MLP, SwiGLU
 from .latent_attention import LatentAttention
 from .moe import SparseMoE, SwitchGLU, load_balancing_loss
-from .norm import GatedRMSNorm, LayerNorm, RMSNorm
+from .norm import GatedRMSNorm, GroupedGatedRMSNorm, LayerNorm, RMSNorm
 from .pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from .quantized import QuantizedEmbedding, QuantizedLinear
 from .recurrent import GRU, LSTM, RNN
@@ -34,12 +35,13 @@ __all__ = [
     "Linear", "LinearWithWeights", "MulRows", "Embedding", "QuantizedLinear", "QuantizedEmbedding", "GGMLLinear",
     "GGMLEmbedding",
     "Flatten", "Identity", "Reshape",
-    "Dropout", "GatedRMSNorm", "LayerNorm", "RMSNorm",
+    "Dropout", "GatedRMSNorm", "GroupedGatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",
     "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss", "GroupLimitedMoE", "SigmoidRouter",
     "LatentAttention",
     "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache", "StateCache",
-    "GatedDeltaNet", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE", "ShortConv", "ShortConvCache",
+    "GatedDeltaNet", "Mamba2", "Mamba2Cache", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE", "ShortConv",
+    "ShortConvCache",
     "Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D",
     "AvgPool2D", "GlobalAvgPool", "MaxPool2D",
     "GRU", "LSTM", "RNN", "KMeans", "Softmax", "AdaptiveSoftmax", "AdaptiveSoftmaxOutput",

@@ -1,4 +1,4 @@
-"""Normalisation layers: `RMSNorm`, `LayerNorm`, `GatedRMSNorm`."""
+"""Normalisation layers: `RMSNorm`, `LayerNorm`, `GatedRMSNorm`, `GroupedGatedRMSNorm`."""
 
 from __future__ import annotations
 
@@ -133,3 +133,44 @@ class GatedRMSNorm(_Norm):
         gate = F.activation(gate.reshape(x.shape).astype(mx.float32), "silu", device=device)
         y = (y.astype(mx.float32) * gate).astype(x.dtype)
         return Data(y, data.dims)
+
+
+class GroupedGatedRMSNorm(_Norm):
+    """``rms_norm(x * silu(gate))`` over groups of ``group_size`` features, times ``weight``: the
+    output norm of Mamba2 layers (``RMSNormGated`` with ``norm_before_gate=False``; the gate is
+    applied before the normalisation, unlike `GatedRMSNorm`).
+
+    ``compile(device, data, gate=g)`` with ``g`` an array of the input's shape (``[..., W]``); W is
+    cut into ``W // group_size`` groups, each normalised on its own. Computed in float32 and cast
+    back to the input's dtype before the gain, as transformers does.
+
+    Args:
+        dims: feature width (optional: taken from the first input when not given).
+        group_size: features per normalised group (default: all of W).
+        eps: added to the mean square.
+        dtype: parameter dtype.
+    """
+
+    positional_hint = _NORM_HINT
+
+    def __init__(self, dims: int | None = None, *, group_size: int | None = None, eps: float = 1e-6, dtype=None):
+        super().__init__(dims, eps, True, False, dtype)
+        if group_size is not None and (dims is not None and (group_size <= 0 or dims % group_size)):
+            raise ValueError(f"GroupedGatedRMSNorm: group_size must divide dims = {dims}, got {group_size}")
+        self.group_size = None if group_size is None else int(group_size)
+
+    def forward(self, device, data, gate=None):
+        if gate is None:
+            raise TypeError(f"{self._describe()}: needs gate= (an array of the input's shape)")
+        x = data.array
+        w = x.shape[-1]
+        gs = self.group_size or w
+        self.require(w % gs == 0, f"a width divisible by group_size={gs}", f"width {w}")
+        self.require(tuple(gate.shape) == tuple(x.shape), f"gate of shape {tuple(x.shape)}",
+                     f"gate of shape {tuple(gate.shape)}")
+        h = x.astype(mx.float32) * F.activation(gate.astype(mx.float32), "silu", device=device)
+        h = F.rms_norm(h.reshape(*x.shape[:-1], w // gs, gs), None, self.eps, device=device).reshape(x.shape)
+        return Data(self.weight * h.astype(x.dtype), data.dims)
+
+    def _extra_repr(self):
+        return f"eps={self.eps}, group_size={self.group_size}"

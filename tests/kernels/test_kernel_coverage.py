@@ -81,6 +81,22 @@ def _gated_delta(grad):
     return run
 
 
+def _ssd(grad):
+    B, T, H, P, G, N = 1, 6, 2, 3, 1, 5
+    x, b, c = random((B, T, H, P), mx.float32, 16), random((B, T, G, N), mx.float32, 17), \
+        random((B, T, G, N), mx.float32, 18)
+    dt = mx.abs(random((B, T, H), mx.float32, 19)) * 0.3
+    A, D = -mx.abs(random((H,), mx.float32, 20)), random((H,), mx.float32, 21)
+
+    def run(device):
+        def fn(*a):
+            y, ht = F.ssd_scan(*a, device=device)
+            return (y * y).sum() + ht.sum()
+        return mx.grad(fn, argnums=(0, 1, 2, 3, 4, 5))(x, dt, A, b, c, D) if grad else \
+            F.ssd_scan(x, dt, A, b, c, D, device=device)
+    return run
+
+
 def _ggml(x_rows, grad):
     # Q4_K, 3 rows of one 256-value block: x of 2 rows runs matvec, of 9 rows matmul; the gradient dequantize
     cls = ggml.get_type("Q4_K")
@@ -106,6 +122,8 @@ CASES = {
     ("conv", "conv2d_wgrad"): _conv(1),
     ("gated_delta", "gated_delta_forward"): _gated_delta(False),
     ("gated_delta", "gated_delta_backward"): _gated_delta(True),
+    ("ssd", "ssd_forward"): _ssd(False),
+    ("ssd", "ssd_backward"): _ssd(True),
     ("ggml", "matvec"): _ggml(2, False),
     ("ggml", "matmul"): _ggml(9, False),
     ("ggml", "dequantize"): _ggml(2, True),

@@ -182,6 +182,34 @@ def test_gated_delta_wide_keys_take_another_path_before_launch(monkeypatch):
         F.gated_delta_rule(*inputs[:5], initial_state=inputs[5], mode="kernel", device=emulate())
 
 
+# ------------------------------------------------------------------ SSD (Mamba2)
+# (B, T, H, P, G, N): xd of B*T*H*P elements, g of B*T*H, B and C of B*T*G*N, h0 of H*P*N
+SSD_CASES = [(1, 1, 1, 1, 1, 1), (1, 1, 1, 2, 1, 2), (1, 1, 1, 7, 1, 1), (1, 1, 1, 1, 1, 7), (1, 2, 1, 1, 1, 1),
+             (1, 7, 1, 1, 1, 1), (1, 1, 2, 1, 1, 3)]
+
+
+@pytest.mark.parametrize("shape", SSD_CASES)
+def test_ssd_small(shape):
+    """Forward and every gradient of the SSD kernels equal the reference (float32, 1e-4: at most a
+    handful of terms per element)."""
+    B, T, H, P, G, N = shape
+    rng = np.random.default_rng(sum(shape))
+    x, b, c = (mx.array(rng.normal(size=s).astype(np.float32)) for s in ((B, T, H, P), (B, T, G, N), (B, T, G, N)))
+    dt = mx.array(rng.uniform(0.05, 0.8, (B, T, H)).astype(np.float32))
+    A, D = mx.array(-rng.uniform(0.5, 2, (H,)).astype(np.float32)), mx.array(rng.normal(size=(H,)).astype(np.float32))
+    h0 = mx.array(rng.normal(size=(B, H, P, N)).astype(np.float32))
+
+    def run(device):
+        def loss(*a):
+            y, ht = F.ssd_scan(*a[:6], initial_state=a[6], device=device)
+            return (y * y).sum() + (ht * a[6]).sum(), (y, ht)
+        (_, outs), grads = mx.value_and_grad(loss, argnums=tuple(range(7)))(x, dt, A, b, c, D, h0)
+        return [*outs, *grads]
+
+    for got, want in zip(run(emulate()), run(reference())):
+        close(got, want, mx.float32)
+
+
 # ------------------------------------------------------------------ convolution
 # (x shape, w shape): x and w of 1, 2 and 7 elements (the 23 sizes travel in one device buffer)
 CONV_CASES = [((1, 1, 1), (1, 1, 1)), ((1, 1, 2), (1, 1, 2)), ((1, 1, 7), (1, 1, 7)), ((1, 7, 1), (1, 7, 1)),

@@ -8,9 +8,9 @@ import pytest
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.models import (ARCHITECTURES, CausalLM, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, lfm2, llama,
-                                mistral, mixtral, phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
-                                smollm3)
+from metalnn.llm.models import (ARCHITECTURES, CausalLM, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss,
+                                granitemoehybrid, lfm2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_5,
+                                qwen3_5_moe, qwen3_moe, qwen3_next, smollm3)
 from metalnn.llm.models.registry import Registry, register
 
 LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -28,6 +28,8 @@ def _config(module) -> dict:
         return dict(HYBRID)
     if module is lfm2:
         return dict(LLAMA, num_key_value_heads=2, layer_types=["conv", "full_attention"])
+    if module is granitemoehybrid:
+        return dict(LLAMA, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_state=8)
     return dict(LLAMA, sliding_window=4)
 
 
@@ -46,7 +48,8 @@ def test_one_registry_keyed_three_ways():
              "Qwen3_5MoeForConditionalGeneration": mn.models.Qwen3_5MoeForCausalLM,
              "DeepseekV3ForCausalLM": mn.models.DeepseekV3ForCausalLM,
              "Lfm2ForCausalLM": mn.models.Lfm2ForCausalLM, "LFM2ForCausalLM": mn.models.Lfm2ForCausalLM,
-             "GptOssForCausalLM": mn.models.GptOssForCausalLM}
+             "GptOssForCausalLM": mn.models.GptOssForCausalLM,
+             "GraniteMoeHybridForCausalLM": mn.models.GraniteMoeHybridForCausalLM}
     assert dict(ARCHITECTURES) == names
     types = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
@@ -55,7 +58,7 @@ def test_one_registry_keyed_three_ways():
              "smollm3": "SmolLM3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
              "deepseek_v3": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM",
-             "gpt_oss": "GptOssForCausalLM"}
+             "gpt_oss": "GptOssForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
     for model_type, name in types.items():
         assert ARCHITECTURES.for_model_type(model_type).model is names[name]
         assert mn.models.model_class({"model_type": model_type}) is names[name]
@@ -64,7 +67,7 @@ def test_one_registry_keyed_three_ways():
              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
              "qwen3moe": "Qwen3MoeForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
              "deepseek2": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM",
-             "gpt-oss": "GptOssForCausalLM"}
+             "gpt-oss": "GptOssForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM"}
     assert set(ARCHITECTURES.gguf_converters()) == set(ggufs)
     for arch, name in ggufs.items():
         entry = ARCHITECTURES.for_gguf(arch)
@@ -108,7 +111,8 @@ def test_register_refuses_a_taken_key_and_a_class_without_model_args():
 
 
 @pytest.mark.parametrize("module", [llama, gpt2, qwen2, qwen3, mistral, qwen3_next, qwen3_5, phi3, gemma2, gemma3,
-                                    smollm3, mixtral, qwen3_moe, qwen3_5_moe, deepseek_v3, lfm2, gpt_oss])
+                                    smollm3, mixtral, qwen3_moe, qwen3_5_moe, deepseek_v3, lfm2, gpt_oss,
+                                    granitemoehybrid])
 def test_model_args_ignore_unknown_keys_and_name_missing_ones(module):
     required = [f.name for f in dataclasses.fields(module.ModelArgs)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -168,6 +172,9 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
      "layer_types[1] = 'linear_attention' is not supported (supported: conv, full_attention)"),
     (lfm2, "num_key_value_heads", 3, "num_key_value_heads = 3 is not supported (supported: a positive divisor of "
                                      "num_attention_heads = 4)"),
+    (granitemoehybrid, "mamba_n_groups", 3, "mamba_n_groups = 3 is not supported (supported: a divisor of mamba_n_heads"),
+    (granitemoehybrid, "layer_types", ["mamba", "sliding_attention"],
+     "layer_types[1] = 'sliding_attention' is not supported (supported: linear_attention, mamba, full_attention"),
 ])
 def test_unsupported_values_name_the_field_the_value_and_what_is_supported(module, key, value, words):
     config = _config(module)
