@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -111,14 +112,53 @@ def positive_int(text: str) -> int:
     return value
 
 
-def load(path, *, tokenizer: bool = True, quiet: bool = False, adapter=None):
+def add_split(parser):
+    """``--split``: how a run started by ``mlx.launch`` splits the model over its ranks."""
+    parser.add_argument("--split", choices=("pipeline", "tensor"), default="pipeline",
+                        help="under mlx.launch (several ranks, one model too large for one machine): 'pipeline' "
+                             "gives each rank a run of the blocks, 'tensor' a share of every block's heads and "
+                             "columns (default pipeline). Every rank reads only its part of the checkpoint and "
+                             "runs the same generation; rank 0 alone writes. A rank that dies stops the others "
+                             "with an error naming it. Outside mlx.launch the option has no effect. Example, two "
+                             "ranks on this machine: mlx.launch -n 2 --backend ring -- metalnn generate MODEL "
+                             "--prompt TEXT; over two Macs: mlx.launch --hostfile hosts.json --backend ring -- "
+                             "metalnn generate MODEL --prompt TEXT")
+
+
+def launch_group():
+    """The group of a run started by ``mlx.launch`` (None outside one)."""
+    from ..llm.distributed import launch_group as group
+
+    return group()
+
+
+def shared_seed(group, seed):
+    """``seed``, or (None) one drawn on rank 0 and given to every rank, so that all ranks sample alike."""
+    import mlx.core as mx
+
+    if seed is not None:
+        return seed
+    mine = mx.array([int.from_bytes(os.urandom(3), "little") if group.rank() == 0 else 0], dtype=mx.int32)
+    return int(mx.distributed.all_sum(mine, group=group).item())
+
+
+def load(path, *, tokenizer: bool = True, quiet: bool = False, adapter=None, group=None, split: str = "pipeline"):
     """``(model, tokenizer)`` of a checkpoint (tokenizer None when not asked for), with the LoRA
     adapter folder ``adapter`` applied (`metalnn.llm.tuner.adapters.use_adapter`); says on stderr
-    what was loaded and how long it took."""
+    what was loaded and how long it took. With an ``mx.distributed`` ``group``, this rank's part
+    (``split``: pipeline or tensor) is loaded and `watch_peers` ends this rank when another dies."""
     from ..llm.models import load_pretrained, load_tokenizer
 
     start = time.perf_counter()
-    model = load_pretrained(path)
+    if group is not None:
+        from ..llm.distributed import watch_peers
+
+        watch_peers(group)
+        if adapter is not None:
+            raise CommandError("--adapter is not supported with a model split over ranks")
+        model = load_pretrained(path, **{split: group})
+    else:
+        model = load_pretrained(path)
     tok = None
     if tokenizer:
         try:

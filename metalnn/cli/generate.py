@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import sys
 
-from .common import CommandError, add_adapter, add_model, add_sampling, fit_context, load, sampling
+from .common import (CommandError, add_adapter, add_model, add_sampling, add_split, fit_context, launch_group, load,
+                     sampling, shared_seed)
 
 
 def add_parser(commands):
@@ -21,6 +24,7 @@ def add_parser(commands):
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the text before this string (repeatable)")
     add_sampling(p)
+    add_split(p)
     p.set_defaults(run=run)
 
 
@@ -40,9 +44,15 @@ def run(args, out=None, err=None):
 
     out, err = out or sys.stdout, err or sys.stderr
     sampling(args)  # bad options are refused before the model loads
+    group = launch_group()
+    if group is not None and group.rank() != 0:  # every rank generates; rank 0 alone writes
+        out = err = io.StringIO()
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    model, tok = load(args.model, adapter=args.adapter)
+    model, tok = load(args.model, adapter=args.adapter, group=group, split=getattr(args, "split", "pipeline"),
+                      quiet=group is not None and group.rank() != 0)
     options = sampling(args, getattr(model, "generation_config", None))
+    if group is not None:
+        options["sampling"] = dataclasses.replace(options["sampling"], seed=shared_seed(group, options["sampling"].seed))
     ids = prompt_ids(tok, text, args.chat, args.system)
     if not ids:
         raise CommandError("the prompt encodes to no tokens; give a non-empty --prompt")

@@ -78,6 +78,12 @@ def adapter_options(values) -> tuple:
 
 
 def run(args):
+    from .common import launch_group
+
+    if launch_group() is not None:
+        raise CommandError("metalnn serve does not run a model split over mlx.launch ranks yet (every rank would "
+                           "have to follow rank 0's requests); start it without mlx.launch, or use 'metalnn "
+                           "generate' under mlx.launch")
     from ..llm.server import ServerSettings, serve
     from ..llm.server.auth import load_api_key
 

@@ -65,7 +65,7 @@ def _as_dtype(dtype):
     return dtype
 
 
-def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
+def load_pretrained(path, dtype=None, strict: bool = True, *, pipeline=None, tensor=None) -> CausalLM:
     """Build the model a checkpoint describes and load its weights.
 
     Args:
@@ -80,6 +80,13 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
             packed (`metalnn.llm.gguf.tensors`): its Q4_0 ... Q8_0 linears keep float16 scales.
         strict: every parameter must be present and every tensor used (all problems are listed
             in one `WeightLoadError`).
+        pipeline: an ``mx.distributed`` group (``mx.distributed.init()`` under ``mlx.launch``): this
+            rank holds a contiguous run of the blocks, balanced by parameter bytes, rank 0 also the
+            token table, the last rank the final norm and head (`metalnn.llm.distributed.pipeline`).
+        tensor: a group: this rank holds a share of every block's heads, hidden columns and experts'
+            columns and of the vocabulary (`metalnn.llm.distributed.tensor_parallel`). With either, the
+            rank reads only the tensors of its part, and every rank must run the same program (each
+            call of the model is a collective). A group of one rank loads the whole model.
     Returns:
         the model, in evaluation mode (``model.train()`` before fine-tuning with dropout). When
         the checkpoint has a tokenizer, ``model.eos_token_ids`` holds its EOS set, which
@@ -92,8 +99,13 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
         WeightLoadError: missing, unexpected or mis-shaped tensors, or unreadable files.
         FileNotFoundError: no such path, and not a Hub model that can be fetched.
     """
+    if pipeline is not None and tensor is not None:
+        raise UnsupportedConfigError("load_pretrained: give pipeline= or tensor=, not both")
     path = local_path(path, MODEL_FILES)
     gguf_file = find_gguf(path) if path.suffix == ".gguf" or not (path / "config.json").exists() else None
+    group = pipeline if pipeline is not None else tensor
+    if group is not None and group.size() > 1:
+        return _load_part(path, gguf_file, dtype, strict, pipeline=pipeline, tensor=tensor)
     if gguf_file is not None:
         checkpoint = read_gguf(gguf_file)
         config, source = checkpoint.config, gguf_file
@@ -130,6 +142,57 @@ def load_pretrained(path, dtype=None, strict: bool = True) -> CausalLM:
     # The buffers freed while loading (a transformed tensor's file version, a cast's source) would stay
     # in MLX's cache, resident, for as long as nothing of their size is allocated: they go back now.
     provider = checkpoint = None
+    mx.clear_cache()
+    return model.eval()
+
+
+def _load_part(path, gguf_file, dtype, strict, *, pipeline, tensor) -> CausalLM:
+    """`load_pretrained` of one rank's part (`metalnn.llm.distributed`): the model built from the
+    config, cut to the part, and only the part's tensors read. ``model.weight_reads`` lists the
+    checkpoint tensors read (safetensors names, or the GGUF file's names)."""
+    from ..distributed import loader as part
+
+    def cut(config, source, default_dtype, names):
+        cls = model_class(config)
+        model = _build(cls, config, source)
+        qconfig = quantization.read_config(config, str(source))
+        if qconfig is not None:
+            quantization.prepare(model, qconfig, [n for n in map(model.rename_weight, names) if n is not None],
+                                 str(source))
+        want = _as_dtype(default_dtype if dtype is None else dtype)
+        if any(p.dtype != want and mx.issubdtype(p.dtype, mx.floating) for p in model.named_parameters().values()):
+            model.set_dtype(want)
+        return part.shard_model(model, pipeline=pipeline, tensor=tensor, dtype=want), qconfig
+
+    if gguf_file is not None:
+        config, header, converter = part.gguf_config(gguf_file, ARCHITECTURES.gguf_converters())
+        entry = ARCHITECTURES.for_gguf(header.architecture)
+        config = {"architectures": [entry.names[0]], "model_type": entry.model_types[0], **config}
+        source, default_dtype = gguf_file, _gguf_float_dtype(header)
+        names = [converter.hf_name(n) or n for n in header.tensors]
+        skeleton, _ = cut(dict(config), source, default_dtype, names)
+        tensors, reads = part.read_gguf_part(header, converter, config, lambda own: own not in skeleton._shard.others)
+        # the converter may have completed the config from tensors (Llama 3's rope factors): build again
+        model, qconfig = cut(config, source, default_dtype, list(tensors))
+        provider = DictProvider(tensors, str(gguf_file))
+    else:
+        header, config, source = None, read_config(path), path
+        provider = part.TensorReader(path)
+        floats = [provider.spec(k)[1] for k in provider.keys() if not k.endswith((".scales", ".biases"))]
+        floats = [d for d in floats if mx.issubdtype(d, mx.floating)]
+        model, qconfig = cut(config, source, floats[0] if floats else mx.float32, provider.keys())
+        reads = provider.reads
+    _keep_half_scales(model, provider)
+    try:
+        model.load_weights_from(provider, strict=strict)
+    except WeightLoadError as e:
+        hint = " (the config's quantization does not fit these tensors)" if qconfig is not None and e.mismatched else ""
+        raise WeightLoadError(e.missing, e.unexpected, e.mismatched, source=str(source),
+                              message=f"{model.architecture}: " + e.message + hint) from None
+    object.__setattr__(model, "weight_reads", tuple(reads))
+    model.eos_token_ids = _checkpoint_eos(path, header)
+    model.generation_config = _generation_config(path, header)
+    provider = tensors = None
     mx.clear_cache()
     return model.eval()
 
