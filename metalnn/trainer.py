@@ -240,8 +240,13 @@ class Trainer:
             path = self.checkpoint_dir / f"step_{self.step_count:07d}"
         path = Path(path)
         opt_state = self.zero.full_state() if self.zero is not None else dict(tree_flatten(self.optimizer.state))
-        if self.zero is not None and self.rank != 0:
-            return path
+        if self.zero is None or self.rank == 0:
+            self._write_checkpoint(path, opt_state)
+        if self.zero is not None:
+            self.zero.barrier()  # every process returns once the files are there
+        return path
+
+    def _write_checkpoint(self, path, opt_state):
         tmp = path.with_name(path.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -259,7 +264,6 @@ class Trainer:
             latest_tmp.write_text(path.name)
             os.replace(latest_tmp, latest)
             self._prune()
-        return path
 
     def _prune(self):
         if not self.keep_checkpoints:

@@ -24,7 +24,9 @@ One step, after every process computed the gradients of its part of the batch:
   numbers and the same kept gradient, with the all-reduce's transient buffer;
 - clipping (``clip_grad_norm``) scales by the global norm: the squared norms of the shards are
   summed over processes, and the scale is ``mlx.optimizers.clip_grad_norm``'s,
-  ``min(max_norm / (norm + 1e-6), 1)``;
+  ``min(max_norm / (norm + 1e-6), 1)``; the squares are summed in float32 whatever the gradients'
+  dtype (``clip_grad_norm`` sums bfloat16 squares in bfloat16, per tensor; a shard cuts across
+  tensors, so that rounding could not be reproduced anyway);
 - the optimizer updates this process's shard of the parameters with its shard of the gradient, and
   the updated shards are all-gathered (``all_gather``) into every process's whole model.
 
@@ -179,7 +181,7 @@ class ZeroSharding:
         """Scale the gradient shards to a global norm of at most ``max_norm``; returns (shards, norm)."""
         if max_norm < 0:
             raise ValueError(f"clip_grad_norm should be >= 0, got {max_norm}")
-        squares = sum((g.astype(mx.float32) if g.dtype == mx.float16 else g).square().sum() for g in shards.values())
+        squares = sum(g.astype(mx.float32).square().sum() for g in shards.values())
         if self.world > 1:
             squares = mx.distributed.all_sum(squares, group=self.group)
         norm = mx.sqrt(squares)
@@ -205,6 +207,11 @@ class ZeroSharding:
         return sum(a.nbytes for b in self.buckets for _, a in tree_flatten(self.optimizer.state.get(b.key, {})))
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def barrier(self):
+        """Return once every process of the group got here."""
+        if self.world > 1:
+            mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=self.group))
+
     def full_state(self) -> dict:
         """The optimizer state in the unsharded layout, ``{"<parameter>.<key>": array, "step": ...}``,
         gathered from every process (a collective: every process must call it)."""

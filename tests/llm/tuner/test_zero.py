@@ -146,7 +146,7 @@ def test_a_killed_rank_stops_every_rank(tmp_path):
 # -- one process -------------------------------------------------------------------------------------
 def test_one_process_zero_equals_plain_with_mixed_dtypes():
     """A group of one: the shard is everything; a float32 and a bfloat16 parameter group each get their
-    own flat vector (the optimizer then runs in each one's dtype, as unsharded)."""
+    own flat vector (the optimizer then runs in each one's dtype, as unsharded: bit for bit)."""
     def build():
         with mn.init.seeded(1):
             m = mn.Layers(mn.Linear(8, in_features=4), mn.Tanh(), mn.Linear(2, in_features=8))
@@ -163,8 +163,7 @@ def test_one_process_zero_equals_plain_with_mixed_dtypes():
 
     runs = {}
     for zero in (0, 1, 2):
-        t = mn.Trainer(build(), optim.Adam(0.05), loss, mn.Device(seed=0), progress=False, group=None, zero=zero,
-                       clip_grad_norm=0.5)
+        t = mn.Trainer(build(), optim.Adam(0.05), loss, mn.Device(seed=0), progress=False, group=None, zero=zero)
         t.fit(data, 4)
         runs[zero] = worker.trainable(t.model)
         if zero:
@@ -183,3 +182,12 @@ def test_bad_stage_and_whole_tensor_optimizers_are_refused():
         mn.Trainer(worker.mlp(), optim.Adafactor(), worker.mlp_loss, group=None, zero=1, progress=False)
     assert isinstance(mn.Trainer(worker.mlp(), optim.Lion(1e-3), worker.mlp_loss, group=None, zero=2,
                                  progress=False).zero, ZeroSharding)
+
+
+def test_the_clipping_case_clips():
+    """The clipped case would train elsewhere unclipped: its comparison above checks the global norm."""
+    _, clipped, _ = reference("mlp_z2_clip_schedule")
+    t = worker.trainer("mlp_z2_clip_schedule", None, zero=0, clip_grad_norm=None)
+    t.fit(worker.CASES["mlp_z2_clip_schedule"][2], worker.STEPS)
+    free = worker.trainable(t.model)
+    assert max(float(mx.abs(free[k] - clipped[k]).max()) for k in free) > 1e-2

@@ -149,12 +149,11 @@ def main():
                               "state_bytes": state_bytes(t.optimizer)}
         mn.save_safetensors(args.out / f"{case}.rank{rank}.safetensors", trainable(t.model))
 
-    # a checkpoint at step RESUME_AT (gathered: every rank calls fit, rank 0 writes), then a fresh
-    # Trainer in every rank resumes from it and runs to STEPS
+    # a checkpoint at step RESUME_AT (gathered: every rank calls fit, rank 0 writes, every rank returns
+    # once it is written), then a fresh Trainer in every rank resumes from it and runs to STEPS
     ckpt = args.out / "ckpt"
     t = trainer(RESUME_CASE, group, checkpoint_dir=ckpt, checkpoint_every=RESUME_AT)
     t.fit(CASES[RESUME_CASE][2], RESUME_AT)
-    mx.distributed.all_sum(mx.array(1.0), group=group).item()  # rank 0 has written before any rank reads
     resumed = trainer(RESUME_CASE, group, checkpoint_dir=ckpt)
     assert resumed.resume() == RESUME_AT
     resumed.fit(CASES[RESUME_CASE][2], STEPS)
