@@ -56,7 +56,8 @@ class Trainer:
         zero: shard the optimizer's state across the group's processes (ZeRO stage 1: each keeps the
             state of 1/N of the trainable parameters, updates that part and the updated parameters are
             all-gathered) or the state and the reduced gradients (stage 2); 0 (default): every process
-            holds the whole state. See `metalnn.zero` for the layout and what each stage keeps.
+            holds the whole state. Needs an element-wise optimizer (SGD, Adam, AdamW, Lion, ...). See
+            `metalnn.zero` for the layout and what each stage keeps.
 
     Data parallel: in a group of N > 1 processes (started with ``mlx.launch -n N --backend ring --
     python train.py``), every batch the data source returns is split along axis 0 into N equal

@@ -24,7 +24,6 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 import metalnn as mn
 from metalnn.zero import ZeroSharding
