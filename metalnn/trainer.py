@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .device import Device, resolve
 from .errors import TrainingDivergedError
 from .layers.base import checkpoint_blocks
+from .zero import ZeroSharding
 from .weights import load_into, load_safetensors, save_safetensors
 
 
@@ -52,6 +53,11 @@ class Trainer:
             backward pass instead of keeping its activations: the same gradients for less memory.
         group: the ``mx.distributed`` group to train data-parallel on (default: the process's
             group, ``mx.distributed.init()``; a single process is a group of one). See below.
+        zero: shard the optimizer's state across the group's processes (ZeRO stage 1: each keeps the
+            state of 1/N of the trainable parameters, updates that part and the updated parameters are
+            all-gathered) or the state and the reduced gradients (stage 2); 0 (default): every process
+            holds the whole state. Needs an element-wise optimizer (SGD, Adam, AdamW, Lion, ...). See
+            `metalnn.zero` for the layout and what each stage keeps.
 
     Data parallel: in a group of N > 1 processes (started with ``mlx.launch -n N --backend ring --
     python train.py``), every batch the data source returns is split along axis 0 into N equal
@@ -60,13 +66,15 @@ class Trainer:
     optimizer step, and the reported loss is the mean over processes. With a mean-reduced loss the
     result equals one process training on the whole batches (dropout aside: each process draws its
     masks from the same device key). Only rank 0 writes checkpoints and shows progress; every
-    process can resume from them.
+    process can resume from them. With ``zero`` the updates are the same (up to the order of float32
+    additions); the checkpoints hold the whole optimizer state, gathered from every process (so
+    `save_checkpoint` is then a collective: every process calls it, rank 0 writes).
     """
 
     def __init__(self, model, optimizer, loss_fn, device: Device | None = None, compile: bool = True,
                  clip_grad_norm: float | None = None, checkpoint_dir=None, checkpoint_every: int | None = None,
                  eval_fn=None, eval_every: int | None = None, progress: bool = True, keep_checkpoints: int = 3,
-                 grad_checkpoint: bool = False, group=None):
+                 grad_checkpoint: bool = False, group=None, zero: int = 0):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -82,6 +90,7 @@ class Trainer:
                              "(layers with is_block = True) to checkpoint; set layer.grad_checkpoint = True "
                              "on the layers to recompute instead")
         self.clip_grad_norm = clip_grad_norm
+        self.zero = ZeroSharding(zero, optimizer, group) if zero else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.eval_fn = eval_fn
@@ -101,17 +110,24 @@ class Trainer:
                 key = self.device.rng_state[0]
                 mx.eval(self.loss_fn(self.model, batch, self.device))
                 self.device.rng_state[0] = key
-        if not self.optimizer.state or "step" not in self.optimizer.state:
+        if self.zero is not None:
+            self.zero.build(self.model)
+        elif not self.optimizer.state or "step" not in self.optimizer.state:
             self.optimizer.init(self.model.trainable_parameters())
 
     def _make_step(self):
         model, optimizer, device = self.model, self.optimizer, self.device
         loss_and_grad = nn.value_and_grad(model, lambda batch: self.loss_fn(model, batch, device))
         clip = self.clip_grad_norm
-        group, world = self.group, self.world_size
+        group, world, zero = self.group, self.world_size, self.zero
 
         def step(batch):
             loss, grads = loss_and_grad(batch)
+            if zero is not None:
+                if world > 1:
+                    loss = mx.distributed.all_sum(loss, group=group) / world
+                zero.update(model, grads, clip)
+                return loss
             if world > 1:
                 grads = nn.average_gradients(grads, group)
                 loss = mx.distributed.all_sum(loss, group=group) / world
@@ -191,14 +207,14 @@ class Trainer:
                 if self.eval_fn and self.eval_every and self.step_count % self.eval_every == 0:
                     self._evaluate(bar)
                 if (self.checkpoint_dir and self.checkpoint_every and self.step_count % self.checkpoint_every == 0
-                        and self.rank == 0):
+                        and (self.rank == 0 or self.zero is not None)):
                     self.save_checkpoint()
         finally:
             if bar is not None:
                 bar.close()
         if self.eval_fn and (not self.eval_every or self.step_count % self.eval_every):
             self._evaluate(None)
-        if self.checkpoint_dir and self.step_count > done0 and self.rank == 0:
+        if self.checkpoint_dir and self.step_count > done0 and (self.rank == 0 or self.zero is not None):
             self.save_checkpoint()
         return self.history
 
@@ -216,19 +232,28 @@ class Trainer:
     def save_checkpoint(self, path=None) -> Path:
         """Write weights, optimizer state, step, RNG state and history into a folder, atomically.
 
-        Default location: ``checkpoint_dir/step_<step>``; ``checkpoint_dir/latest`` names it.
+        Default location: ``checkpoint_dir/step_<step>``; ``checkpoint_dir/latest`` names it. With
+        ``zero``, every process must call it (the optimizer state is gathered); only rank 0 writes.
         """
         if path is None:
             if self.checkpoint_dir is None:
                 raise ValueError("Trainer.save_checkpoint: give a path or set checkpoint_dir")
             path = self.checkpoint_dir / f"step_{self.step_count:07d}"
         path = Path(path)
+        opt_state = self.zero.full_state() if self.zero is not None else dict(tree_flatten(self.optimizer.state))
+        if self.zero is None or self.rank == 0:
+            self._write_checkpoint(path, opt_state)
+        if self.zero is not None:
+            self.zero.barrier()  # every process returns once the files are there
+        return path
+
+    def _write_checkpoint(self, path, opt_state):
         tmp = path.with_name(path.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         save_safetensors(tmp / "model.safetensors", dict(tree_flatten(self.model.parameters())))
-        save_safetensors(tmp / "optimizer.safetensors", dict(tree_flatten(self.optimizer.state)))
+        save_safetensors(tmp / "optimizer.safetensors", opt_state)
         save_safetensors(tmp / "rng.safetensors", {"device_key": self.device.rng_state[0]})
         (tmp / "trainer.json").write_text(json.dumps({"step": self.step_count, "history": self.history}))
         if path.exists():
@@ -240,7 +265,6 @@ class Trainer:
             latest_tmp.write_text(path.name)
             os.replace(latest_tmp, latest)
             self._prune()
-        return path
 
     def _prune(self):
         if not self.keep_checkpoints:
@@ -275,7 +299,10 @@ class Trainer:
         path, self._pending_resume = self._pending_resume, None
         load_into(self.model, path / "model.safetensors", strict=True, cast=False)
         opt = load_safetensors(path / "optimizer.safetensors")
-        self.optimizer.state = tree_unflatten(list(opt.items()))
+        if self.zero is not None:
+            self.zero.build(self.model).load_state(opt, str(path / "optimizer.safetensors"))
+        else:
+            self.optimizer.state = tree_unflatten(list(opt.items()))
         rng = load_safetensors(path / "rng.safetensors")
         self.device.rng_state[0] = rng["device_key"]
         mx.eval(self.model.parameters(), self.optimizer.state)

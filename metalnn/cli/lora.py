@@ -4,6 +4,10 @@ The model's weights stay frozen; only the adapters train (`metalnn.llm.tuner.lor
 (an MLX-quantized folder, a GGUF file, or ``--quantize BITS``) this is QLoRA: the adapters train
 on top of the quantized weights. The data is a JSONL file of chat, prompt/completion or text
 examples (`metalnn.llm.tuner.datasets`); by default the loss covers only the answers.
+
+Under ``mlx.launch -n N`` the processes train data parallel (each takes 1/N of every batch); ``--zero 1``
+shards Adam's state across them, ``--zero 2`` the gradients too (`metalnn.zero`). Only rank 0 prints
+and writes the adapters.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def add_parser(commands):
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute each transformer block in the backward pass: the same gradients, "
                         "with far less memory for about a quarter more time")
+    p.add_argument("--zero", type=int, choices=(1, 2), help="under mlx.launch: shard Adam's state across the "
+                   "processes (1), and the gradients too (2): ZeRO stages 1 and 2")
     p.add_argument("--seed", type=int, default=0, help="seed of the adapters' initial values and the batch order")
     p.set_defaults(run=run)
 
@@ -76,6 +82,11 @@ def run(args):
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     if not targets:
         raise CommandError("--targets names no projection")
+    group = mx.distributed.init() if mx.distributed.is_available() else None
+    world = group.size() if group is not None else 1
+    if args.batch_size % world:
+        raise CommandError(f"--batch-size {args.batch_size} does not split evenly over {world} processes")
+    say = print if group is None or group.rank() == 0 else (lambda *a, **k: None)
     model, tok = load(args.model)
     mask_prompt = not args.train_prompt
     train = datasets.load_jsonl(args.train, tok, mask_prompt=mask_prompt)
@@ -90,21 +101,24 @@ def run(args):
                        layers=args.layers)
     device = Device(seed=args.seed)
     source = train.batches(args.batch_size, args.max_length, packed=args.packed, seed=args.seed)
-    print(f"{kind}: {len(paths)} adapters of rank {args.rank} on {', '.join(targets)}; {len(train)} training "
-          f"examples ({train.num_trained_tokens} trained tokens)", flush=True)
+    say(f"{kind}: {len(paths)} adapters of rank {args.rank} on {', '.join(targets)}; {len(train)} training "
+        f"examples ({train.num_trained_tokens} trained tokens)", flush=True)
     before = mean_loss(model, valid, args.batch_size, args.max_length, device) if valid else None
     trainer = Trainer(model, optim.Adam(learning_rate=args.learning_rate), datasets.loss, device=device,
-                      progress=sys.stderr.isatty(), grad_checkpoint=args.grad_checkpoint)
+                      progress=sys.stderr.isatty(), grad_checkpoint=args.grad_checkpoint, group=group,
+                      zero=args.zero or 0)
     if args.grad_checkpoint:
         blocks = sum(1 for _, m in model.named_modules() if getattr(m, "grad_checkpoint", False))
-        print(f"gradient checkpointing: {blocks} blocks recomputed in the backward pass", flush=True)
+        say(f"gradient checkpointing: {blocks} blocks recomputed in the backward pass", flush=True)
     report = max(1, args.steps // 10)
     while trainer.step_count < args.steps:
         trainer.fit(source, min(args.steps, trainer.step_count + report))
         recent = trainer.history["loss"][-report:]
-        print(f"step {trainer.step_count}/{args.steps}: train loss {sum(recent) / len(recent):.4f}", flush=True)
+        say(f"step {trainer.step_count}/{args.steps}: train loss {sum(recent) / len(recent):.4f}", flush=True)
     if valid:
         after = mean_loss(model, valid, args.batch_size, args.max_length, device)
-        print(f"validation loss: {before:.4f} -> {after:.4f}")
+        say(f"validation loss: {before:.4f} -> {after:.4f}")
+    if group is not None and group.rank() != 0:
+        return
     lora.save_adapters(model, args.out, base_model_name_or_path=str(args.model))
     print(f"wrote {args.out} (PEFT adapter_config.json + adapter_model.safetensors)")
