@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from gguf_writing import add_tensor, finish
+from gguf_writing import add_tensor, expert_projections, finish
 
 #: tensors llama.cpp's converter keeps in float32 whatever the output type (1-D ones, and the router)
 KEEP_F32 = (".ffn_gate_inp.",)
@@ -75,15 +75,8 @@ def write_gguf(path, hf, qtype=Q.F32):
             add(names.get_name(hf_name.replace("kv_b_proj", "k_b_proj"), try_suffixes=(".weight",)), k_b)
             add(names.get_name(hf_name.replace("kv_b_proj", "v_b_proj"), try_suffixes=(".weight",)), v_b)
             continue
-        if hf_name.endswith("mlp.experts.gate_up_proj"):
-            half = a.shape[1] // 2
-            base = hf_name[: -len(".gate_up_proj")]
-            for part, rows in (("gate_proj", a[:, :half]), ("up_proj", a[:, half:])):
-                add(names.get_name(f"{base}.{part}.weight", try_suffixes=(".weight",)), np.ascontiguousarray(rows))
-            continue
-        if hf_name.endswith("mlp.experts.down_proj"):
-            hf_name += ".weight"
         if hf_name.endswith("e_score_correction_bias"):
             hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
-        add(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a)
+        for name, part in expert_projections(hf_name, a):
+            add(names.get_name(name, try_suffixes=(".weight", ".bias")), part)
     return finish(w, path)

@@ -3,6 +3,8 @@ comparisons share. gguf-py and NumPy only: nothing here uses metalnn.
 
 * `add_tensor` puts one tensor into a ``gguf.GGUFWriter``, float32 or quantized (as llama.cpp's
   converter stores it: ``raw_shape`` / ``raw_dtype`` of the packed blocks);
+* `expert_projections` gives transformers 5's stacked experts the per-projection names gguf-py's tensor
+  table maps to llama.cpp's ``ffn_{gate,up,down}_exps``;
 * `finish` writes the header, the metadata and the tensors and closes the file;
 * `q8_0_round_trip` is a matrix's Q8_0 quantize-dequantize round trip, checked to be a fixed point: a
   file holding it and a transformers model holding it then hold identical weights, so a Q8_0 file is
@@ -27,6 +29,21 @@ def add_tensor(writer, name, a, qtype=Q.F32):
     else:
         q = gguf.quants.quantize(a, qtype)
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+
+def expert_projections(hf_name, a):
+    """``[(name, array)]`` for state-dict entry ``hf_name`` of a transformers 5 MoE model: the stacked
+    ``mlp.experts.gate_up_proj`` ``[E, 2*I, W]`` split into ``mlp.experts.gate_proj.weight`` and
+    ``up_proj.weight`` ``[E, I, W]`` (gate rows first, as transformers stores them), ``mlp.experts.down_proj``
+    as ``mlp.experts.down_proj.weight``, any other entry as it is."""
+    if hf_name.endswith("mlp.experts.gate_up_proj"):
+        half = a.shape[1] // 2
+        base = hf_name[: -len(".gate_up_proj")]
+        return [(f"{base}.gate_proj.weight", np.ascontiguousarray(a[:, :half])),
+                (f"{base}.up_proj.weight", np.ascontiguousarray(a[:, half:]))]
+    if hf_name.endswith("mlp.experts.down_proj"):
+        return [(hf_name + ".weight", a)]
+    return [(hf_name, a)]
 
 
 def finish(writer, path):

@@ -40,7 +40,7 @@ from metalnn.errors import UnsupportedConfigError
 from metalnn.layers.moe import SparseMoE
 from metalnn.llm.models import load_pretrained
 
-from gguf_writing import add_tensor, finish, q8_0_values
+from gguf_writing import add_tensor, expert_projections, finish, q8_0_values
 from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_batched_rows_match, assert_greedy_matches,
                           assert_info_features, assert_logits_match, assert_lora_trains,
@@ -196,15 +196,8 @@ def write_gguf(path, hf, qtype=Q.F32):
         if c.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
         a = p.detach().numpy().astype(np.float32)
-        if hf_name.endswith("mlp.experts.gate_up_proj"):
-            half = a.shape[1] // 2
-            base = hf_name[: -len(".gate_up_proj")]
-            for part, rows in (("gate_proj", a[:, :half]), ("up_proj", a[:, half:])):
-                add(names.get_name(f"{base}.{part}.weight", try_suffixes=(".weight",)), np.ascontiguousarray(rows))
-            continue
-        if hf_name.endswith("mlp.experts.down_proj"):
-            hf_name += ".weight"
-        add(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a)
+        for name, part in expert_projections(hf_name, a):
+            add(names.get_name(name, try_suffixes=(".weight", ".bias")), part)
     return finish(w, path)
 
 
