@@ -268,11 +268,20 @@ class SparseMoE(Layer):
         weights, ids = self.route(logits)
         y = self.compile_child(self.experts, device, rows, indices=ids).array     # [N, k, W]
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=1)
-        if "shared_expert" in self:
-            s = self.compile_child(self.shared_expert, device, rows).array.reshape(-1, d.W)
-            g = self.compile_child(self.shared_expert_gate, device, rows).array.reshape(-1, 1)
-            y = y + F.activation(g, "sigmoid", device=device) * s
+        shared = self.shared_output(device, rows)
+        if shared is not None:
+            y = y + shared
         return Data(y.reshape(data.array.shape[:-1] + (d.W,)), d)
+
+    def shared_output(self, device, rows):
+        """The always-on term added to the routed experts' output for token ``rows`` (dims ``(W, 1, N)``):
+        ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` ``[N, W]``; None without a shared expert."""
+        if "shared_expert" not in self:
+            return None
+        w = rows.dims.W
+        s = self.compile_child(self.shared_expert, device, rows).array.reshape(-1, w)
+        g = self.compile_child(self.shared_expert_gate, device, rows).array.reshape(-1, 1)
+        return F.activation(g, "sigmoid", device=device) * s
 
     def _extra_repr(self):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "

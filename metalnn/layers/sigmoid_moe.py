@@ -129,19 +129,12 @@ class GroupLimitedMoE(SparseMoE):
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
         return weights * self.routed_scaling_factor, ids
 
-    def forward(self, device, data):
-        d = data.dims
-        x = data.array.reshape(-1, d.W)
-        rows = Data(x, MTLSize(d.W, 1, x.shape[0]))
-        logits = self.compile_child(self.gate, device, rows).array.reshape(-1, self.num_experts)
-        if self.record_router_logits:
-            self._record.logits = logits
-        weights, ids = self.route(logits)
-        y = self.compile_child(self.experts, device, rows, indices=ids).array     # [N, k, W]
-        y = (y * weights[..., None].astype(y.dtype)).sum(axis=1)
-        if "shared_experts" in self:
-            y = y + self.compile_child(self.shared_experts, device, rows).array.reshape(-1, d.W)
-        return Data(y.reshape(data.array.shape[:-1] + (d.W,)), d)
+    def shared_output(self, device, rows):
+        """``shared_experts(x)`` ``[N, W]`` for token ``rows`` (no gate: always added); None without them.
+        The rest of the forward pass is `SparseMoE`'s, with this class's `route`."""
+        if "shared_experts" not in self:
+            return None
+        return self.compile_child(self.shared_experts, device, rows).array.reshape(-1, rows.dims.W)
 
     def _extra_repr(self):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, n_group={self.n_group}, "

@@ -18,6 +18,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from gguf_writing import add_tensor, expert_projections, finish
+
 #: tensors llama.cpp's converter keeps in float32 whatever the output type (1-D ones, and the router)
 KEEP_F32 = (".ffn_gate_inp.",)
 
@@ -58,11 +60,8 @@ def write_gguf(path, hf, qtype=Q.F32):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, c.num_hidden_layers)
 
     def add(name, a):
-        if a.ndim >= 2 and qtype != Q.F32 and not any(k in name for k in KEEP_F32) and a.shape[-1] % 32 == 0:
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a)
+        quantized = a.ndim >= 2 and not any(k in name for k in KEEP_F32) and a.shape[-1] % 32 == 0
+        add_tensor(w, name, a, qtype if quantized else Q.F32)
 
     h = c.num_attention_heads
     for hf_name, p in hf.state_dict().items():
@@ -76,19 +75,8 @@ def write_gguf(path, hf, qtype=Q.F32):
             add(names.get_name(hf_name.replace("kv_b_proj", "k_b_proj"), try_suffixes=(".weight",)), k_b)
             add(names.get_name(hf_name.replace("kv_b_proj", "v_b_proj"), try_suffixes=(".weight",)), v_b)
             continue
-        if hf_name.endswith("mlp.experts.gate_up_proj"):
-            half = a.shape[1] // 2
-            base = hf_name[: -len(".gate_up_proj")]
-            for part, rows in (("gate_proj", a[:, :half]), ("up_proj", a[:, half:])):
-                add(names.get_name(f"{base}.{part}.weight", try_suffixes=(".weight",)), np.ascontiguousarray(rows))
-            continue
-        if hf_name.endswith("mlp.experts.down_proj"):
-            hf_name += ".weight"
         if hf_name.endswith("e_score_correction_bias"):
             hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
-        add(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        for name, part in expert_projections(hf_name, a):
+            add(names.get_name(name, try_suffixes=(".weight", ".bias")), part)
+    return finish(w, path)

@@ -17,6 +17,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
+from gguf_writing import finish
+
 TEXT = (Path(__file__).resolve().parents[2] / "examples" / "data" / "kjv_genesis_exodus.txt").read_text()[:20000]
 SAMPLES = ["In the beginning God created the heaven and the earth.", "  leading spaces and  double  spaces\n\nnew lines",
            "Numbers 12345 and 3.14, punctuation!? (brackets) [x] {y}", "unicode: é ü 日本語 🙂 — done",
@@ -162,11 +164,7 @@ def write(path, model=None, *, arch="llama", tokenizer="gpt2", pre="default", ty
             _add(w, name, a, _type_for(name, types) if a.ndim == 2 else Q.F32)
         for name, (a, t) in (extra_tensors or {}).items():
             _add(w, name, a, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def _add(writer, name, a, qtype):

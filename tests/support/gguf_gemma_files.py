@@ -14,6 +14,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from gguf_writing import add_tensor, finish
+
 
 def converted_tensors(model, arch):
     """``[(GGUF name, float32 array)]`` of ``model`` as the converter emits them for ``arch``."""
@@ -74,13 +76,5 @@ def write(path, model, arch, *, qtype=Q.F32, metadata=None):
         if value is not None:
             w.add_key_value(p + key, value, vtype)
     for name, a in converted_tensors(model, arch):
-        if qtype != Q.F32 and quantizable(name, a.shape):
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        add_tensor(w, name, a, qtype if quantizable(name, a.shape) else Q.F32)
+    return finish(w, path)

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from gguf_writing import add_tensor, finish
+
 
 def reorder_v_heads(t, dim, num_k_heads, num_v_per_k, head_dim):
     """The converter's ``_reorder_v_heads``: value heads along ``dim`` from grouped to tiled order."""
@@ -149,13 +151,5 @@ def write(path, model, arch, *, qtype=Q.F32, metadata=None, drop=()):
     for name, a in converted_tensors(model, arch):
         if name in drop:
             continue
-        if qtype != Q.F32 and quantizable(name, a.shape):
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        add_tensor(w, name, a, qtype if quantizable(name, a.shape) else Q.F32)
+    return finish(w, path)

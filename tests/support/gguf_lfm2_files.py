@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from gguf_writing import add_tensor, finish
+
 
 def converter_ff_width(h: dict) -> int:
     """``LFM2Model._add_feed_forward_length``: the width llama.cpp stores (rounded to ``block_multiple_of``
@@ -55,13 +57,6 @@ def write_lfm2_gguf(path, hf, qtype=Q.F32):
         if "conv.conv" in hf_name:  # (the converter squeezes any such tensor: a conv bias would fail there)
             a = a.squeeze(1)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if qtype != Q.F32 and a.ndim == 2 and not name.endswith("_norm.weight") and a.shape[1] % 32 == 0:
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        quantized = a.ndim == 2 and not name.endswith("_norm.weight") and a.shape[1] % 32 == 0
+        add_tensor(w, name, a, qtype if quantized else Q.F32)
+    return finish(w, path)

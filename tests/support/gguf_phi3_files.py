@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from gguf_writing import add_tensor, finish
+
 
 def converted_tensors(model):
     """``[(GGUF name, float32 array)]`` of ``model`` as the converter emits them."""
@@ -63,13 +65,5 @@ def write(path, model, *, qtype=Q.F32):
         scale = h["max_position_embeddings"] / original
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
     for name, a in converted_tensors(model):
-        if qtype != Q.F32 and quantizable(name, a.shape):
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        add_tensor(w, name, a, qtype if quantizable(name, a.shape) else Q.F32)
+    return finish(w, path)

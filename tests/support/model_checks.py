@@ -118,20 +118,30 @@ def assert_batched_rows_match(hf, model, vocab, *, seed=9, prompt_lengths=(3, 11
 
 
 def assert_loss_and_gradients_match(hf, model, vocab, shape=(2, 11), seed=3, *, must_include=(), nonzero=False,
-                                    skip=(), loss_fn=lm_loss, hf_kwargs=None, tol=GRAD_TOL, label=""):
+                                    skip=(), loss_fn=lm_loss, hf_kwargs=None, tol=GRAD_TOL, label="", rename=None,
+                                    metalnn_only=()):
     """The loss (``loss_fn(model, tokens, device)``, next-token cross-entropy by default) and the
     gradient of every parameter on ``tokens(vocab, shape, seed)`` match torch autograd through
     transformers (called with ``labels`` and ``hf_kwargs``): the loss within ``tol`` of it, each
     gradient within ``tol`` of its largest entry. Both sides have gradients for the same parameters,
     ``must_include`` among them; with ``nonzero`` every reference gradient has a nonzero entry (the
     test's tokens reach every parameter). Parameters in ``skip`` are left to the caller.
-    Returns ``(loss, gradients, reference loss, reference gradients)`` (gradients by name)."""
+    ``rename(name)`` gives metalnn's name of a torch parameter where a family names one otherwise;
+    ``metalnn_only`` names metalnn parameters that torch holds as buffers: they must be there, with
+    all-zero gradients. Returns ``(loss, gradients, reference loss, reference gradients)`` (gradients
+    by name, the reference ones under metalnn's names)."""
     toks = tokens(vocab, shape, seed=seed)
     ref_loss, ref = hf_loss_and_grads(hf, toks, **(hf_kwargs or {}))
+    if rename is not None:
+        ref = {rename(k): v for k, v in ref.items()}
     loss, got = mn_loss_and_grads(model, toks, loss_fn)
     assert abs(loss - ref_loss) < tol * abs(ref_loss), f"{_prefix(label)}loss {loss} != {ref_loss}"
-    assert set(got) == set(ref), \
-        f"{_prefix(label)}only metalnn: {sorted(set(got) - set(ref))}, only torch: {sorted(set(ref) - set(got))}"
+    extra = set(metalnn_only)
+    assert extra <= set(got), f"{_prefix(label)}no gradient for {sorted(extra - set(got))}"
+    assert not any(np.any(got[k]) for k in extra), f"{_prefix(label)}a buffer of torch's gets a gradient"
+    mine = set(got) - extra
+    assert mine == set(ref), \
+        f"{_prefix(label)}only metalnn: {sorted(mine - set(ref))}, only torch: {sorted(set(ref) - mine)}"
     missing = set(must_include) - set(got)
     assert not missing, f"{_prefix(label)}no gradient for {sorted(missing)}"
     for k in ref:
@@ -219,13 +229,16 @@ def assert_bfloat16_as_close_as_transformers(folder, vocab, shape=(2, 20), seed=
 
 
 def assert_lora_trains(folder, vocab, targets, want_paths, *, shape=(4, 17), seed=7, steps=4, lr=2e-2,
-                       min_drop=0.01):
-    """LoRA adapters of rank 4 on the ``targets`` projections of the model in ``folder`` sit exactly at
-    ``want_paths`` (module paths, any order), and ``steps`` Adam steps (learning rate ``lr``) through
-    `metalnn.Trainer` on one fixed batch ``tokens(vocab, shape, seed)`` lower the next-token loss by
-    more than ``min_drop``. Returns the adapted model."""
+                       min_drop=0.01, prepare=None):
+    """LoRA adapters of rank 4 on the ``targets`` projections of the model in ``folder`` (passed through
+    ``prepare`` first when given, e.g. `hf_models.small_chunks`) sit exactly at ``want_paths`` (module
+    paths, any order), and ``steps`` Adam steps (learning rate ``lr``) through `metalnn.Trainer` on one
+    fixed batch ``tokens(vocab, shape, seed)`` lower the next-token loss by more than ``min_drop``.
+    Returns the adapted model."""
     mx.random.seed(0)
     model = load_pretrained(folder)
+    if prepare is not None:
+        model = prepare(model)
     paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=targets)
     assert sorted(paths) == sorted(want_paths), sorted(set(paths) ^ set(want_paths))
     batch = mx.array(tokens(vocab, shape, seed=seed))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ... import ggml
 from ...errors import UnsupportedConfigError, WeightLoadError
 from ...quantization import config_from_settings
 from .reader import GGUFHeader, read_header
@@ -235,6 +236,31 @@ class Converter:
         if bad:
             raise WeightLoadError(mismatched=bad, source=str(self.header.path))
         return tensors
+
+    def dense(self, arrays: dict, name: str):
+        """Tensor ``name`` taken out of ``arrays`` as float32 (GGML blocks decoded, no longer counted as
+        packed); None when absent (a strict load then reports the missing parameter)."""
+        a = arrays.pop(name, None)
+        if a is None:
+            return None
+        kind = self.packed.pop(name, None)
+        a = ggml.get_type(kind).decode(a) if kind is not None else a.astype(mx.float32)
+        mx.eval(a)
+        return a
+
+    def stacked_experts(self, arrays: dict, layer: int) -> dict:
+        """Block ``layer``'s ``ffn_{gate,up,down}_exps`` taken out of ``arrays`` as float32
+        ``model.layers.<layer>.mlp.experts.gate_up_proj`` ``[E, 2*I, W]`` (gate rows, then up rows) and
+        ``.down_proj`` ``[E, W, I]``; ``{}`` (and ``arrays`` untouched) unless all three are there, so a
+        layer missing one keeps its GGUF names for a strict load to report."""
+        names = [f"blk.{layer}.ffn_{kind}_exps.weight" for kind in ("gate", "up", "down")]
+        if not all(n in arrays for n in names):
+            return {}
+        gate, up, down = (self.dense(arrays, n) for n in names)
+        pre = f"model.layers.{layer}.mlp.experts."
+        out = {pre + "gate_up_proj": mx.concatenate([gate, up], axis=1), pre + "down_proj": down}
+        mx.eval(out[pre + "gate_up_proj"])
+        return out
 
     def transform(self, name: str, array, config: dict):
         """Hook: undo llama.cpp's transform of one tensor (``name`` already Hugging Face's); raise `Misfit`

@@ -1,6 +1,7 @@
 """Shared pieces of the RMSNorm decoder families (Llama, Mistral, Qwen2, Qwen3, Qwen3-Next, Qwen3.5, Gemma):
-the `DecoderStack` (embedding, blocks, final norm: the ``model.*`` of their checkpoints) and the
-per-layer plans their configs describe (`check_layer_types`, `sliding_windows`).
+the `DecoderStack` (embedding, blocks, final norm: the ``model.*`` of their checkpoints), `build_decoder`
+(that stack and the untied head, from a family's layer builder) and the per-layer plans their configs
+describe (`check_layer_types`, `sliding_windows`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from ...data import Data
 from ...errors import UnsupportedConfigError
 from ...layers.base import Layer
 from ...layers.embedding import Embedding
+from ...layers.linear import Linear
 from ...layers.norm import RMSNorm
 from .base import refuse
 
@@ -51,6 +53,23 @@ class DecoderStack(Layer):
         for i, layer in enumerate(self.layers):
             h = self.compile_child(layer, device, h, cache=cache[i] if cache is not None else None)
         return self.compile_child(self.norm, device, h)
+
+
+def build_decoder(lm, args, make_layer, *, eps: float | None = None, norm_offset: float = 0.0):
+    """Build the common layout of a decoder family in ``lm`` (a `CausalLM`, from its ``_build``), with
+    transformers' initialisation (normal, std ``args.initializer_range``, given to each layer as ``init``):
+
+    * ``lm.model``: a `DecoderStack` of ``make_layer(i, init)`` for ``i`` in ``range(args.num_hidden_layers)``,
+      its final RMSNorm of epsilon ``eps`` (default ``args.rms_norm_eps``) and gain offset ``norm_offset``;
+    * ``lm.lm_head``: an untied output `Linear` ``[vocab_size, hidden_size]`` (no bias), unless
+      ``args.tie_word_embeddings``.
+    """
+    init = initializers.Normal(args.initializer_range)
+    layers = [make_layer(i, init) for i in range(args.num_hidden_layers)]
+    lm.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps if eps is None else eps,
+                            init_std=args.initializer_range, norm_offset=norm_offset)
+    if not args.tie_word_embeddings:
+        lm.lm_head = Linear(args.vocab_size, bias=False, init=init)
 
 
 def check_layer_types(layer_types, num_hidden_layers: int, allowed: tuple) -> list:

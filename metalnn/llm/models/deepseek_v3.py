@@ -32,17 +32,15 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ... import init as initializers
 from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.base import Layer
 from ...layers.latent_attention import LatentAttention
-from ...layers.linear import Linear
 from ...layers.mlp import SwiGLU
 from ...layers.sigmoid_moe import GroupLimitedMoE
 from ...layers.transformer import DecoderBlock
 from ..gguf.converters.deepseek2 import Deepseek2Converter
 from .base import BaseModelArgs, CausalLM, refuse
-from .decoder import DecoderStack
+from .decoder import build_decoder
 from .experts import RoutedExperts
 from .registry import register
 from .rope import rope_options
@@ -191,12 +189,7 @@ class DeepseekV3ForCausalLM(RoutedExperts, CausalLM):
     args_class = ModelArgs
 
     def _build(self, args: ModelArgs):
-        init = initializers.Normal(args.initializer_range)  # transformers' init
-        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
-                                  init_std=args.initializer_range)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+        build_decoder(self, args, lambda i, init: decoder_layer(args, i, init))
 
     def aux_loss(self):
         raise NotImplementedError(f"{self.architecture}: no auxiliary load-balancing loss (DeepSeek-V3 balances its "

@@ -1,6 +1,8 @@
 """Shared pieces of the hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): which layers are
-linear attention, the two token mixers, the per-layer caches, the checks of the linear-attention sizes and
-the text model's tensor names in a multimodal Qwen3.5 folder.
+linear attention, the two token mixers (`hybrid_mixer` picks a layer's), the per-layer caches, the checks
+of the linear-attention sizes, the text model's tensor names in a multimodal Qwen3.5 folder, and the
+model-class mixins `HybridLayers` (``layer_kinds``, ``make_cache``) and `Qwen35Text` (a Qwen3.5 text
+model read from a text-only or a multimodal folder).
 
 Both architectures use zero-centred RMSNorms (gain ``1 + weight``, `NORM_OFFSET`) everywhere except
 the gated norm inside `GatedDeltaNet`.
@@ -12,7 +14,7 @@ from ...errors import UnsupportedConfigError
 from ...layers.attention import KVCache, SelfAttention
 from ...layers.base import Layer
 from ...layers.gated_deltanet import GatedDeltaCache, GatedDeltaNet
-from .base import refuse
+from .base import refuse, text_config
 from .decoder import check_layer_types
 
 HYBRID = ("linear_attention", "full_attention")
@@ -66,6 +68,18 @@ def gated_deltanet(args, *, separate_projections: bool, init) -> Layer:
                          separate_projections=separate_projections, activation=args.hidden_act, init=init)
 
 
+def hybrid_mixer(args, layer: int, *, separate_projections: bool, init) -> tuple:
+    """``(mixer, checkpoint name)`` of layer ``layer`` of ``args`` (a hybrid ``ModelArgs``, its ``kinds``):
+    `gated_deltanet` (``linear_attn``) on a ``linear_attention`` layer, else `gated_attention`
+    (``self_attn``)."""
+    if args.kinds[layer] == "linear_attention":
+        return gated_deltanet(args, separate_projections=separate_projections, init=init), "linear_attn"
+    mixer = gated_attention(num_heads=args.num_attention_heads, num_kv_heads=args.num_key_value_heads,
+                            head_dim=args.head_dim, rope=args.rope, bias=args.attention_bias, eps=args.rms_norm_eps,
+                            init=init)
+    return mixer, "self_attn"
+
+
 def hybrid_caches(kinds: list) -> list:
     """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
     return [GatedDeltaCache() if kind == "linear_attention" else KVCache() for kind in kinds]
@@ -80,3 +94,29 @@ def text_weight_name(name: str) -> str | None:
     if name.startswith(("model.visual.", "visual.", "mtp.")):
         return None
     return name
+
+
+class HybridLayers:
+    """Mixin of the hybrid `CausalLM` s (``args.kinds``: one `HYBRID` entry per layer)."""
+
+    @property
+    def layer_kinds(self) -> list:
+        """``linear_attention`` / ``full_attention`` per layer."""
+        return list(self.args.kinds)
+
+    def make_cache(self) -> list:
+        """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
+        return hybrid_caches(self.args.kinds)
+
+
+class Qwen35Text(HybridLayers):
+    """Mixin of the Qwen3.5 text models (dense and MoE): built from a text config or from the
+    ``text_config`` of a multimodal one (`text_config`), reading a multimodal folder's language-model
+    tensors (`text_weight_name`; the vision tower and the multi-token-prediction tensors dropped)."""
+
+    def __init__(self, config: dict, seed: int = 0):
+        super().__init__(text_config(config), seed=seed)
+
+    def rename_weight(self, name):
+        name = text_weight_name(name)
+        return None if name is None else super().rename_weight(name)

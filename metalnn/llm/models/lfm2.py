@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ... import functional as F
-from ... import init as initializers
 from ...data import Data
 from ...layers.attention import KVCache, SelfAttention
 from ...layers.base import Layer
@@ -35,7 +34,7 @@ from ...layers.norm import RMSNorm
 from ...layers.short_conv import ShortConv, ShortConvCache
 from ..gguf.converters.lfm2 import Lfm2Converter
 from .base import BaseModelArgs, CausalLM, refuse
-from .decoder import DecoderStack, check_layer_types
+from .decoder import build_decoder, check_layer_types
 from .registry import register
 from .rope import rope_options
 
@@ -268,15 +267,11 @@ class Lfm2ForCausalLM(CausalLM):
     args_class = ModelArgs
 
     def _build(self, args: ModelArgs):
-        init = initializers.Normal(args.initializer_range)  # transformers' init
-        layers = []
-        for i in range(args.num_hidden_layers):
+        def layer(i, init):
             mixer, name = token_mixer(args, i, init)
-            layers.append(Lfm2Block(mixer, Lfm2MLP(args.ffn_width, init=init), mixer_name=name, eps=args.norm_eps))
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.norm_eps,
-                                  init_std=args.initializer_range)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+            return Lfm2Block(mixer, Lfm2MLP(args.ffn_width, init=init), mixer_name=name, eps=args.norm_eps)
+
+        build_decoder(self, args, layer, eps=args.norm_eps)
 
     @property
     def layer_kinds(self) -> list:

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ... import init as initializers
 from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.fused_projections import FusedGateUpMLP, FusedQKVAttention
-from ...layers.linear import Linear
 from ...layers.transformer import DecoderBlock
 from ..gguf.converters.phi3 import Phi3Converter
 from .base import BaseModelArgs, CausalLM, refuse
-from .decoder import DecoderStack
+from .decoder import build_decoder
 from .registry import register
 from .rope import longrope_options
 
@@ -95,12 +93,7 @@ class Phi3ForCausalLM(CausalLM):
     args_class = ModelArgs
 
     def _build(self, args: ModelArgs):
-        init = initializers.Normal(args.initializer_range)  # transformers' init
-        layers = [decoder_layer(args, init) for _ in range(args.num_hidden_layers)]
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
-                                  init_std=args.initializer_range)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+        build_decoder(self, args, lambda _, init: decoder_layer(args, init))
 
     @property
     def features(self) -> list:

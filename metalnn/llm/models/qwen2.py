@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ... import init as initializers
 from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.base import Layer
-from ...layers.linear import Linear
 from ...layers.transformer import TransformerBlock
 from ..gguf.converters.qwen2 import Qwen2Converter
 from .base import BaseModelArgs, CausalLM, refuse
-from .decoder import DecoderStack, sliding_windows
+from .decoder import build_decoder, sliding_windows
 from .registry import register
 from .rope import rope_options
 
@@ -88,9 +86,4 @@ class Qwen2ForCausalLM(CausalLM):
     args_class = ModelArgs
 
     def _build(self, args: ModelArgs):
-        init = initializers.Normal(args.initializer_range)  # transformers' init
-        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
-                                  init_std=args.initializer_range)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+        build_decoder(self, args, lambda i, init: decoder_layer(args, i, init))

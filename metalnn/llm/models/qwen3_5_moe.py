@@ -35,18 +35,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ... import init as initializers
 from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.base import Layer
-from ...layers.linear import Linear
 from ...layers.moe import SparseMoE
 from ...layers.transformer import DecoderBlock
 from ..gguf.converters.qwen35moe import Qwen35MoeConverter
-from .base import BaseModelArgs, CausalLM, refuse, text_config
-from .decoder import DecoderStack
+from .base import BaseModelArgs, CausalLM, refuse
+from .decoder import build_decoder
 from .experts import RoutedExperts
-from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
-                     hybrid_layer_types, text_weight_name)
+from .hybrid import NORM_OFFSET, Qwen35Text, check_linear_sizes, hybrid_layer_types, hybrid_mixer
 from .registry import register
 from .rope import rope_options
 
@@ -119,13 +116,7 @@ class ModelArgs(BaseModelArgs):
 def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
     """Decoder block ``layer``: its mixer (``linear_attn`` or ``self_attn``) and a `SparseMoE` with a
     shared expert between zero-centred RMSNorms."""
-    if args.kinds[layer] == "linear_attention":
-        mixer, name = gated_deltanet(args, separate_projections=True, init=init), "linear_attn"
-    else:
-        mixer = gated_attention(num_heads=args.num_attention_heads, num_kv_heads=args.num_key_value_heads,
-                                head_dim=args.head_dim, rope=args.rope, bias=args.attention_bias,
-                                eps=args.rms_norm_eps, init=init)
-        name = "self_attn"
+    mixer, name = hybrid_mixer(args, layer, separate_projections=True, init=init)
     mlp = SparseMoE(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size, norm_topk_prob=True,
                     shared_expert_dims=args.shared_expert_intermediate_size, activation=args.hidden_act,
                     record_router_logits=args.output_router_logits, init=init)
@@ -134,7 +125,7 @@ def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
 
 @register("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
           model_types=("qwen3_5_moe_text", "qwen3_5_moe"), gguf=Qwen35MoeConverter)
-class Qwen3_5MoeForCausalLM(RoutedExperts, CausalLM):
+class Qwen3_5MoeForCausalLM(Qwen35Text, RoutedExperts, CausalLM):
     """Qwen3.5-MoE (text model) built from a Hugging Face ``Qwen3_5MoeTextConfig`` dict, or from a
     ``Qwen3_5MoeConfig`` whose ``text_config`` holds it (`ModelArgs` lists the keys read).
 
@@ -149,21 +140,8 @@ class Qwen3_5MoeForCausalLM(RoutedExperts, CausalLM):
 
     args_class = ModelArgs
 
-    def __init__(self, config: dict, seed: int = 0):
-        super().__init__(text_config(config), seed=seed)
-
     def _build(self, args: ModelArgs):
-        init = initializers.Normal(args.initializer_range)  # transformers' init
-        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
-                                  init_std=args.initializer_range, norm_offset=NORM_OFFSET)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
-
-    @property
-    def layer_kinds(self) -> list:
-        """``linear_attention`` / ``full_attention`` per layer."""
-        return list(self.args.kinds)
+        build_decoder(self, args, lambda i, init: decoder_layer(args, i, init), norm_offset=NORM_OFFSET)
 
     @property
     def features(self) -> list:
@@ -181,11 +159,3 @@ class Qwen3_5MoeForCausalLM(RoutedExperts, CausalLM):
         out += self.moe_features()
         out.append(f"sigmoid-gated shared expert ({a.shared_expert_intermediate_size} wide)")
         return out
-
-    def make_cache(self) -> list:
-        """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
-        return hybrid_caches(self.args.kinds)
-
-    def rename_weight(self, name):
-        name = text_weight_name(name)
-        return None if name is None else super().rename_weight(name)

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ... import init as initializers
 from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.attention import SelfAttention
 from ...layers.base import Layer
-from ...layers.linear import Linear
 from ...layers.moe import SparseMoE
 from ...layers.transformer import DecoderBlock, TransformerBlock
 from ..gguf.converters.qwen3moe import Qwen3MoeConverter
 from .base import BaseModelArgs, CausalLM, refuse
-from .decoder import DecoderStack
+from .decoder import build_decoder
 from .experts import RoutedExperts
 from .registry import register
 from .rope import rope_options
@@ -135,12 +133,7 @@ class Qwen3MoeForCausalLM(RoutedExperts, CausalLM):
     args_class = ModelArgs
 
     def _build(self, args: ModelArgs):
-        init = initializers.Normal(args.initializer_range)  # transformers' init
-        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
-                                  init_std=args.initializer_range)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+        build_decoder(self, args, lambda i, init: decoder_layer(args, i, init))
 
     @property
     def features(self) -> list:

@@ -27,19 +27,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ... import init as initializers
 from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.base import Layer
-from ...layers.linear import Linear
 from ...layers.mlp import SwiGLU
 from ...layers.moe import SparseMoE
 from ...layers.transformer import DecoderBlock
 from ..gguf.converters.qwen3next import Qwen3NextConverter
 from .base import BaseModelArgs, CausalLM, refuse
-from .decoder import DecoderStack
+from .decoder import build_decoder
 from .experts import RoutedExperts
-from .hybrid import (NORM_OFFSET, check_linear_sizes, gated_attention, gated_deltanet, hybrid_caches,
-                     hybrid_layer_types)
+from .hybrid import NORM_OFFSET, HybridLayers, check_linear_sizes, hybrid_layer_types, hybrid_mixer
 from .registry import register
 from .rope import rope_options
 
@@ -119,13 +116,7 @@ class ModelArgs(BaseModelArgs):
 def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
     """Decoder block ``layer``: its mixer (``linear_attn`` or ``self_attn``) and its feed-forward
     (`SparseMoE` or `SwiGLU`) between zero-centred RMSNorms."""
-    if args.kinds[layer] == "linear_attention":
-        mixer, name = gated_deltanet(args, separate_projections=False, init=init), "linear_attn"
-    else:
-        mixer = gated_attention(num_heads=args.num_attention_heads, num_kv_heads=args.num_key_value_heads,
-                                head_dim=args.head_dim, rope=args.rope, bias=args.attention_bias,
-                                eps=args.rms_norm_eps, init=init)
-        name = "self_attn"
+    mixer, name = hybrid_mixer(args, layer, separate_projections=False, init=init)
     if args.is_sparse(layer):
         mlp = SparseMoE(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
                         norm_topk_prob=args.norm_topk_prob,
@@ -137,7 +128,7 @@ def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:
 
 
 @register("Qwen3NextForCausalLM", model_types=("qwen3_next",), gguf=Qwen3NextConverter)
-class Qwen3NextForCausalLM(RoutedExperts, CausalLM):
+class Qwen3NextForCausalLM(HybridLayers, RoutedExperts, CausalLM):
     """Qwen3-Next built from a Hugging Face ``Qwen3NextConfig`` dict (`ModelArgs` lists the keys read).
 
     Input token ids ``[B, T]``, logits ``[B, T, vocab_size]``; ``model.model`` is the `DecoderStack`
@@ -152,21 +143,7 @@ class Qwen3NextForCausalLM(RoutedExperts, CausalLM):
     args_class = ModelArgs
 
     def _build(self, args: ModelArgs):
-        init = initializers.Normal(args.initializer_range)  # transformers' init
-        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
-                                  init_std=args.initializer_range, norm_offset=NORM_OFFSET)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
-
-    @property
-    def layer_kinds(self) -> list:
-        """``linear_attention`` / ``full_attention`` per layer."""
-        return list(self.args.kinds)
-
-    def make_cache(self) -> list:
-        """A `GatedDeltaCache` per linear-attention layer and a `KVCache` per full-attention layer."""
-        return hybrid_caches(self.args.kinds)
+        build_decoder(self, args, lambda i, init: decoder_layer(args, i, init), norm_offset=NORM_OFFSET)
 
     # -- weights -----------------------------------------------------------------------------------
     def rename_weight(self, name):

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ... import init as initializers
 from ...errors import UnsupportedConfigError
 from ...functional.activations import NAMES as ACTIVATIONS
 from ...layers.base import Layer
-from ...layers.linear import Linear
 from ...layers.transformer import TransformerBlock
 from ..gguf.converters.smollm3 import SmolLM3Converter
 from .base import BaseModelArgs, CausalLM, refuse
-from .decoder import SLIDING, DecoderStack, check_layer_types
+from .decoder import SLIDING, build_decoder, check_layer_types
 from .registry import register
 from .rope import rope_options
 
@@ -145,12 +143,7 @@ class SmolLM3ForCausalLM(CausalLM):
     args_class = ModelArgs
 
     def _build(self, args: ModelArgs):
-        init = initializers.Normal(args.initializer_range)  # transformers' init
-        layers = [decoder_layer(args, i, init) for i in range(args.num_hidden_layers)]
-        self.model = DecoderStack(args.vocab_size, args.hidden_size, layers, eps=args.rms_norm_eps,
-                                  init_std=args.initializer_range)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.vocab_size, bias=False, init=init)
+        build_decoder(self, args, lambda i, init: decoder_layer(args, i, init))
 
     @property
     def features(self) -> list:

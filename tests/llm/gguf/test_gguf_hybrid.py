@@ -15,7 +15,6 @@ and the same 2e-4 holds.
 
 import os
 
-import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ from metalnn.llm.models import load_pretrained
 from metalnn.llm.gguf.converters.qwen35 import grouped_order
 
 from gguf_hybrid_files import quantizable, reorder_v_heads, write
+from gguf_writing import q8_0_values
 from hf_models import hf_greedy, hf_logits, hf_model, max_error, small_chunks, tokens
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -108,28 +108,13 @@ def test_value_head_order_is_restored():
     np.testing.assert_array_equal(tiled.numpy()[grouped_order(2, 6, 5)], grouped.numpy())
 
 
-def _q8_rounded(hf):
-    """Replace every matrix the Q8_0 file quantizes by its Q8_0 value; returns how many were replaced."""
-    n = 0
-    with torch.no_grad():
-        for name, p in hf.state_dict().items():
-            if quantizable(name, tuple(p.shape)):
-                a = p.numpy().astype(np.float32)
-                r = gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
-                again = gguf.quants.dequantize(gguf.quants.quantize(r, Q.Q8_0), Q.Q8_0)
-                np.testing.assert_array_equal(again, r)  # a fixed point: the file holds exactly these values
-                p.copy_(torch.from_numpy(r.reshape(p.shape)))
-                n += 1
-    return n
-
-
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_q8_0_file_stays_quantized_and_matches_transformers(arch, tmp_path):
     """Linear / Embedding weights stay 8-bit (Qwen3.5's out_proj too, its value heads 32 wide so the column
     blocks move whole); experts, the convolution, ssm_a and the norms come out float, and so does the router
     (llama.cpp keeps ``ffn_gate_inp`` F32)."""
     hf = _hf(arch, linear_value_head_dim=32) if arch == "qwen35" else _hf(arch)
-    assert _q8_rounded(hf) > 5
+    assert q8_0_values(hf, quantizable) > 5  # every matrix the file quantizes holds its Q8_0 round trip
     model = small_chunks(load_pretrained(write(tmp_path / "q8.gguf", hf, arch, qtype=Q.Q8_0)))
     kinds = {p: type(m).__name__ for p, m in model.named_modules()}
     names = ["model.embed_tokens", "model.layers.1.self_attn.q_proj"]

@@ -29,13 +29,10 @@ same Q8_0 values (each quantized matrix replaced by its quantize-dequantize roun
 stores, a fixed point), so 2e-4 holds again.
 """
 
-import json
 import os
-import re
 
 import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -48,18 +45,17 @@ from metalnn.layers.attention import KVCache
 from metalnn.layers.latent_attention import LatentAttention
 from metalnn.layers.mlp import SwiGLU
 from metalnn.layers.sigmoid_moe import GroupLimitedMoE
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
 from gguf_deepseek_files import write_gguf
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+from gguf_writing import finish, q8_0_round_trip, q8_0_values
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
+                          assert_logits_match, assert_lora_trains, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4,
             initializer_range=0.2, max_position_embeddings=256, moe_intermediate_size=8, num_hidden_layers=3)
@@ -96,21 +92,14 @@ def deepseek(**config):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = deepseek(**kw)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: deepseek(**kw) for name, kw in CONFIGS.items()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
     assert type(model) is mn.models.DeepseekV3ForCausalLM
-    toks = tokens(VOCAB, (2, 13), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, label=name)
 
 
 #: DeepSeek-V3's released rope scaling, scaled down: YaRN from 16 positions, with mscale and mscale_all_dim
@@ -169,11 +158,7 @@ def test_greedy_generation_matches_transformers(name, checkpoints):
     """Through the latent caches (absorbed decoding); the fused decoding step declines these blocks."""
     hf, model, _ = checkpoints[name]
     assert all(block._step_plan() is None for block in model.model.layers)
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 24)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 24) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 24)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=24, label=name)
 
 
 def test_cache_holds_the_compressed_latent(checkpoints):
@@ -197,57 +182,28 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
     tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
     # the correction biases are parameters here (buffers in torch): no gradient reaches them
-    biases = {k for k in got if k.endswith("mlp.gate.e_score_correction_bias")}
-    assert biases == {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in SPARSE[name]}
-    assert all(not np.any(got[k]) for k in biases)
-    assert set(got) - biases == set(ref)
+    biases = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in SPARSE[name]]
     i = SPARSE[name][0]
-    assert {f"model.layers.{i}.mlp.experts.gate_up_proj", f"model.layers.{i}.mlp.gate.weight",
+    must = [f"model.layers.{i}.mlp.experts.gate_up_proj", f"model.layers.{i}.mlp.gate.weight",
             f"model.layers.{i}.mlp.shared_experts.down_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
-            "model.layers.0.self_attn.kv_a_layernorm.weight"} <= set(ref)
-    for k in ref:
-        assert np.abs(ref[k]).max() > 0, k
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+            "model.layers.0.self_attn.kv_a_layernorm.weight"]
+    assert_loss_and_gradients_match(hf, model, VOCAB, must_include=must, nonzero=True, metalnn_only=biases, label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
+    back = assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="DeepseekV3ForCausalLM",
+                                                     model_type="deepseek_v3", reload=True)
     np.testing.assert_array_equal(back.model.layers[SPARSE[name][0]].mlp.gate.e_score_correction_bias.numpy(),
                                   hf.model.layers[SPARSE[name][0]].mlp.gate.e_score_correction_bias.numpy())
-    toks = tokens(VOCAB, (1, 12), seed=4)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
-    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
 
 
 def test_multi_token_prediction_layers_are_dropped(checkpoints, tmp_path):
@@ -268,34 +224,23 @@ def test_lora_on_every_projection_trains_and_decodes(checkpoints):
     """Every projection by name (the latent ones included); with ``kv_b_proj`` adapted, decoding expands the
     latents (a fresh adapter adds nothing: transformers' tokens still), and training lowers the loss."""
     hf, _, folder = checkpoints["lora"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=ATTENTION + MLP)
     want = [f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in ATTENTION if p != "q_proj"]
     want += [f"model.layers.0.mlp.{p}" for p in MLP]
     want += [f"model.layers.{i}.mlp.shared_experts.{p}" for i in SPARSE["lora"] for p in MLP]
-    assert sorted(paths) == sorted(want)
+    assert_lora_trains(folder, VOCAB, ATTENTION + MLP, want)
+    model = load_pretrained(folder)
+    mn.lora.apply(model, rank=4, alpha=8.0, targets=ATTENTION + MLP)
     assert not any(b.self_attn.absorbs(model.make_cache()[0]) for b in model.model.layers)
     prompt = tokens(VOCAB, (1, 7), seed=2)
     assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
 
 
 def test_info_names_the_features(checkpoints):
     _, _, folder = checkpoints["lora"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+DeepseekV3ForCausalLM", result.stdout)
     want = ["multi-head latent attention (cached latent 12 + rotary key 4 a position; query rank 16)",
             "mixture of experts: 3 of 8 experts per token (renormalised)", "dense feed-forward on layers 0",
             "sigmoid routing from 2 of 4 expert groups, weights x2.5", "1 shared expert", "interleaved rotary pairs"]
-    assert re.search(r"features\s+" + re.escape("; ".join(want)) + "\n", result.stdout), result.stdout
-    assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == want
+    assert_info_features(folder, "DeepseekV3ForCausalLM", want)
 
 
 def test_bad_configs_name_the_field():
@@ -329,37 +274,32 @@ GGUF_CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_a
                    topk_method="noaux_tc")
 
 
-def q8_0_round_trip(a):
-    back = gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
-    assert np.array_equal(back, gguf.quants.dequantize(gguf.quants.quantize(back, Q.Q8_0), Q.Q8_0))
-    return back
+def quantized(name, shape):
+    """Whether the Q8_0 file stores this tensor quantized: every matrix but the router."""
+    return len(shape) >= 2 and not name.endswith("mlp.gate.weight")
 
 
-def q8_0_values(hf):
-    """``hf`` with every matrix but the router replaced by its Q8_0 round trip, ``kv_b_proj`` in the file's
-    split layout (``attn_k_b`` transposed: its blocks run along the key features)."""
+def q8_0_layout_round_trip(hf):
+    """`gguf_writing.q8_0_values`' round trip for ``hf``'s tensors: ``kv_b_proj`` in the file's split layout
+    (``attn_k_b`` transposed: its blocks run along the key features), the others as they are."""
     c = hf.config
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.ndim < 2 or name.endswith("mlp.gate.weight"):
-                continue
-            a = p.numpy().astype(np.float32)
-            if name.endswith("kv_b_proj.weight"):
-                kv = a.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
-                k_b = q8_0_round_trip(np.ascontiguousarray(kv[:, :c.qk_nope_head_dim].transpose(0, 2, 1)))
-                v_b = q8_0_round_trip(np.ascontiguousarray(kv[:, c.qk_nope_head_dim:]))
-                back = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(a.shape)
-            else:
-                back = q8_0_round_trip(a)
-            p.copy_(torch.from_numpy(back))
-    return hf
+
+    def round_trip(name, a):
+        if not name.endswith("kv_b_proj.weight"):
+            return q8_0_round_trip(a)
+        kv = a.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+        k_b = q8_0_round_trip(np.ascontiguousarray(kv[:, :c.qk_nope_head_dim].transpose(0, 2, 1)))
+        v_b = q8_0_round_trip(np.ascontiguousarray(kv[:, c.qk_nope_head_dim:]))
+        return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(a.shape)
+
+    return round_trip
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
 def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
     hf = deepseek(**GGUF_CONFIG)
-    if qtype == Q.Q8_0:
-        hf = q8_0_values(hf)
+    if qtype == Q.Q8_0:  # every matrix the Q8_0 file quantizes holds its Q8_0 round trip
+        assert q8_0_values(hf, quantized, q8_0_layout_round_trip(hf)) > 10
     model = load_pretrained(write_gguf(tmp_path / "deepseek2.gguf", hf, qtype))
     assert type(model) is mn.models.DeepseekV3ForCausalLM
     assert len(model.moe_layers()) == 2 and model.moe_layers()[0].topk_group == 2
@@ -368,9 +308,7 @@ def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
         q = model.config["quantization"]
         assert q["model.layers.0.self_attn.q_a_proj"] == {"ggml_type": "Q8_0"}
         assert not any(k.endswith(("mlp.gate", "kv_b_proj")) for k in q)  # router and kv_b_proj in float
-    toks = tokens(VOCAB, (2, 13), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB)
     prompt = tokens(VOCAB, (1, 6), seed=2)
     assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()
 
@@ -387,9 +325,5 @@ def test_gguf_softmax_gating_is_refused(tmp_path):
                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     for t in reader.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
     with pytest.raises(UnsupportedConfigError, match=r"scoring_func = 'softmax'"):
-        load_pretrained(tmp_path / "softmax.gguf")
+        load_pretrained(finish(w, tmp_path / "softmax.gguf"))

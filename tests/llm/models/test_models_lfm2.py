@@ -24,13 +24,9 @@ replaced by its quantize-dequantize round trip, a fixed point, so both sides hol
 and 2e-4 holds again).
 """
 
-import json
 import os
-import re
 
-import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -45,16 +41,16 @@ from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 from metalnn.llm.prefix_cache import PrefixCache
 
-from commands import metalnn_cmd
 from gguf_lfm2_files import write_lfm2_gguf
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, max_error, mn_loss_and_grads,
-                       relative_error, save_and_load, tokens)
+from gguf_writing import q8_0_values
+from hf_models import hf_greedy, hf_model, max_error, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
+                          assert_logits_match, assert_lora_trains, assert_loss_and_gradients_match,
+                          assert_saved_folder_loads_in_transformers)
 from peft_adapters import peft_logits, save_peft_adapter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, initializer_range=0.2,
             max_position_embeddings=256)
@@ -92,23 +88,16 @@ def lfm2(**config):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = lfm2(**kw)
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (hf, save_and_load(hf, folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: lfm2(**kw) for name, kw in CONFIGS.items()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
     assert type(model) is mn.models.Lfm2ForCausalLM
-    toks = tokens(VOCAB, (2, 15), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
-    short = toks[:, :2]  # fewer tokens than the convolution's width
-    assert max_error(model(mx.array(short)), hf_logits(hf, short)) < LOGITS_TOL
+    assert_logits_match(hf, model, VOCAB, (2, 15), label=name)
+    short = tokens(VOCAB, (2, 15), seed=1)[:, :2]  # fewer tokens than the convolution's width
+    assert_logits_match(hf, model, VOCAB, toks=short, label=f"{name}, 2 tokens")
 
 
 def test_layers_carry_the_configs_plan(checkpoints):
@@ -133,11 +122,7 @@ def test_greedy_generation_matches_transformers(name, checkpoints):
     `KVCache` per attention layer."""
     hf, model, _ = checkpoints[name]
     assert [type(c) for c in model.make_cache()] == [ShortConvCache if k == "conv" else KVCache for k in KINDS[name]]
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 22)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 22) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 22)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=22, label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -162,20 +147,7 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     positions): each row's tokens are transformers' greedy continuation of its prompt alone; rows join
     while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 def test_prefix_cache_resumes_from_saved_convolution_states(checkpoints, tmp_path):
@@ -204,40 +176,28 @@ def test_prefix_cache_resumes_from_saved_convolution_states(checkpoints, tmp_pat
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    ref = {("model.norm." + k[len("model.embedding_norm."):] if k.startswith("model.embedding_norm.") else k): v
-           for k, v in ref.items()}
-    assert set(got) == set(ref)
     must = ["model.layers.0.conv.conv.weight", "model.layers.0.conv.in_proj.weight",
             "model.layers.1.self_attn.q_layernorm.weight", "model.layers.1.self_attn.out_proj.weight",
             "model.layers.2.feed_forward.w3.weight", "model.norm.weight", "model.layers.0.operator_norm.weight"]
     if CONFIGS[name]["conv_bias"]:
         must += ["model.layers.0.conv.conv.bias", "model.layers.2.conv.in_proj.bias",
                  "model.layers.2.conv.out_proj.bias"]
-    assert set(must) <= set(got)
-    for k in ref:
-        assert np.abs(ref[k]).max() > 0, k
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+
+    def rename(k):  # transformers' final norm is model.embedding_norm, metalnn's model.norm
+        return "model.norm." + k[len("model.embedding_norm."):] if k.startswith("model.embedding_norm.") else k
+
+    assert_loss_and_gradients_match(hf, model, VOCAB, must_include=must, nonzero=True, rename=rename, label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["Lfm2ForCausalLM"] and cfg["model_type"] == "lfm2"
+    back = assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="Lfm2ForCausalLM",
+                                                     model_type="lfm2", reload=True)
+    assert back.config.layer_types == hf.config.layer_types
     from safetensors.numpy import load_file
     names = set(load_file(tmp_path / "model.safetensors"))
     assert "model.embedding_norm.weight" in names and "model.norm.weight" not in names
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf) and back.config.layer_types == hf.config.layer_types
-    toks = tokens(VOCAB, (1, 12), seed=4)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
-    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
 
 
 def test_older_config_keys_are_read():
@@ -256,19 +216,10 @@ def test_lora_on_every_projection_trains_and_peft_adapters_load(checkpoints, tmp
     """The LoRA targets are PEFT's names for LFM2's projections: metalnn wraps each of them, trains,
     and an adapter PEFT made for the transformers model gives PEFT's logits here."""
     _, _, folder = checkpoints["biased"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     want = [f"model.layers.{i}.conv.{p}" for i in (0, 2) for p in ("in_proj", "out_proj")]
     want += [f"model.layers.{i}.self_attn.{p}" for i in (1, 3) for p in ("q_proj", "k_proj", "v_proj", "out_proj")]
     want += [f"model.layers.{i}.feed_forward.{p}" for i in range(4) for p in ("w1", "w2", "w3")]
-    assert sorted(paths) == sorted(want)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want)
 
     adapter = save_peft_adapter(folder, tmp_path / "peft", targets=PROJECTIONS)
     fresh = load_pretrained(folder)
@@ -279,12 +230,8 @@ def test_lora_on_every_projection_trains_and_peft_adapters_load(checkpoints, tmp
 
 def test_info_names_the_short_convolutions(checkpoints):
     _, _, folder = checkpoints["biased"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+Lfm2ForCausalLM", result.stdout)
     want = ["gated short convolution (width 3, with biases) on 2 of 4 layers", "q/k RMSNorm on the attention layers"]
-    assert re.search(r"features\s+" + re.escape("; ".join(want)) + "\n", result.stdout), result.stdout
-    assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == want
+    assert_info_features(folder, "Lfm2ForCausalLM", want)
 
 
 def test_bad_configs_name_the_field():
@@ -302,17 +249,9 @@ def test_bad_configs_name_the_field():
 # -- GGUF ------------------------------------------------------------------------------------------------
 
 
-def q8_0_values(hf):
-    """``hf`` with every matrix the Q8_0 file quantizes replaced by its Q8_0 round trip (a fixed point)."""
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.ndim == 2 and p.shape[1] % 32 == 0:
-                a = p.numpy().astype(np.float32)
-                back = gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
-                again = gguf.quants.dequantize(gguf.quants.quantize(back, Q.Q8_0), Q.Q8_0)
-                assert np.array_equal(back, again)
-                p.copy_(torch.from_numpy(back))
-    return hf
+def quantized(name, shape):
+    """Whether the Q8_0 file stores this tensor quantized: matrices whose rows hold whole 32-value blocks."""
+    return len(shape) == 2 and shape[1] % 32 == 0
 
 
 # widths multiples of 32 (Q8_0 rows): intermediate 96 -> 64 after the adjustment
@@ -325,8 +264,8 @@ GGUF_CONFIG = dict(BASE, num_hidden_layers=3, num_key_value_heads=2, intermediat
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
 def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
     hf = lfm2(**GGUF_CONFIG)
-    if qtype == Q.Q8_0:
-        hf = q8_0_values(hf)
+    if qtype == Q.Q8_0:  # every matrix the Q8_0 file quantizes holds its Q8_0 round trip
+        assert q8_0_values(hf, quantized) > 10
     model = load_pretrained(write_lfm2_gguf(tmp_path / "lfm2.gguf", hf, qtype))
     assert type(model) is mn.models.Lfm2ForCausalLM
     assert model.layer_kinds == GGUF_CONFIG["layer_types"] and not model.model.layers[0].conv.use_bias
@@ -334,9 +273,7 @@ def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
         q = model.config["quantization"]
         assert q["model.layers.0.conv.in_proj"] == q["model.layers.1.self_attn.out_proj"] == {"ggml_type": "Q8_0"}
         assert "model.layers.0.conv.conv" not in q
-    toks = tokens(VOCAB, (2, 13), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB)
     prompt = tokens(VOCAB, (1, 6), seed=2)
     assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()
 

@@ -24,7 +24,6 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
@@ -32,6 +31,7 @@ import metalnn as mn
 from metalnn.errors import WeightLoadError
 from metalnn.llm.models import load_pretrained
 
+from gguf_writing import add_tensor, finish, q8_0_values
 from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_batched_rows_match, assert_greedy_matches,
                           assert_info_features, assert_logits_match, assert_lora_trains,
@@ -189,34 +189,20 @@ def write_gguf(path, hf, qtype=Q.F32):
         else:
             tensors.append((names.get_name(hf_name, try_suffixes=(".weight",)), a))
     for name, a in tensors:
-        if a.ndim >= 2 and qtype != Q.F32 and "ffn_gate_inp" not in name:
-            q = gguf.quants.quantize(np.ascontiguousarray(a), qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        add_tensor(w, name, a, qtype if a.ndim >= 2 and "ffn_gate_inp" not in name else Q.F32)
+    return finish(w, path)
 
 
-def q8_0_values(hf):
-    """``hf`` with every matrix the Q8_0 file quantizes (not the router) replaced by its Q8_0 round trip."""
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
-                a = p.numpy().astype(np.float32)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
-                                         .reshape(a.shape)))
-    return hf
+def quantized(name, shape):
+    """Whether the Q8_0 file stores this tensor quantized: every matrix but the router."""
+    return len(shape) >= 2 and not name.endswith("mlp.gate.weight")
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
 def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
     hf = mixtral(**dict(BASE, hidden_size=64, intermediate_size=64))  # rows of whole 32-value blocks
     if qtype == Q.Q8_0:
-        hf = q8_0_values(hf)
+        assert q8_0_values(hf, quantized) > 10  # every matrix the file quantizes holds its Q8_0 round trip
     model = load_pretrained(write_gguf(tmp_path / "mixtral.gguf", hf, qtype))
     assert type(model) is mn.models.MixtralForCausalLM
     assert model.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 128, 64)

@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-import gguf
 from gguf import GGMLQuantizationType as Q
 
 import metalnn as mn
@@ -37,6 +36,7 @@ from metalnn.llm.tuner import lora
 from metalnn.llm.models import load_pretrained
 
 from gguf_phi3_files import quantizable, write
+from gguf_writing import q8_0_values
 from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_logits_match,
                           assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
@@ -194,19 +194,6 @@ def test_bad_factors_are_named(checkpoints):
 # -- GGUF ------------------------------------------------------------------------------------------------------------
 
 
-def _q8_rounded(hf):
-    """Replace every matrix the Q8_0 file quantizes by its Q8_0 value; returns how many were replaced."""
-    n = 0
-    with torch.no_grad():
-        for name, p in hf.state_dict().items():
-            if quantizable(name, tuple(p.shape)):
-                a = p.numpy().astype(np.float32)
-                r = gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
-                p.copy_(torch.from_numpy(r.reshape(p.shape)))
-                n += 1
-    return n
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_gguf_file_matches_transformers(name, checkpoints, tmp_path):
     hf, _, _ = checkpoints[name]
@@ -228,7 +215,7 @@ def test_gguf_file_matches_transformers(name, checkpoints, tmp_path):
 
 def test_q8_0_gguf_file_stays_quantized_and_matches_transformers(tmp_path):
     hf = _hf("longrope")
-    assert _q8_rounded(hf) >= 5
+    assert q8_0_values(hf, quantizable) >= 5  # every matrix the file quantizes holds its Q8_0 round trip
     model = load_pretrained(write(tmp_path / "q8.gguf", hf, qtype=Q.Q8_0))
     kinds = {p: type(m).__name__ for p, m in model.named_modules()}
     names = ["model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"]

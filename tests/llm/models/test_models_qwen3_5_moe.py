@@ -34,12 +34,9 @@ trip, a fixed point, so both sides hold identical weights and 2e-4 holds again).
 
 import json
 import os
-import re
 
-import gguf
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -51,18 +48,17 @@ from safetensors import safe_open
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError, WeightLoadError
 from metalnn.layers.moe import SparseMoE
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
 from gguf_hybrid_files import quantizable, write
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
-                       relative_error, small_chunks, tokens)
+from gguf_writing import q8_0_values
+from hf_models import hf_greedy, hf_logits, hf_model, lm_loss, max_error, saved_checkpoints, small_chunks, tokens
+from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_batched_rows_match, assert_greedy_matches,
+                          assert_info_features, assert_logits_match, assert_lora_trains,
+                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, head_dim=16, linear_conv_kernel_dim=4,
             initializer_range=0.2, max_position_embeddings=128, moe_intermediate_size=8)
@@ -104,13 +100,8 @@ def qwen3_5_moe(**config):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = qwen3_5_moe(**kw)
-        folder = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(folder)
-        out[name] = (hf, small_chunks(load_pretrained(folder)), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: qwen3_5_moe(**kw) for name, kw in CONFIGS.items()},
+                             prepare=small_chunks)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -121,11 +112,9 @@ def test_logits_match_transformers(name, checkpoints):
     with safe_open(folder / "model.safetensors", "np") as f:
         assert "model.layers.0.mlp.experts.3.gate_proj.weight" in f.keys()  # transformers saves experts one by one
     assert hf.config.layer_types == KINDS[name] and model.layer_kinds == KINDS[name]
-    toks = tokens(VOCAB, (2, 20), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
-    short = toks[:, :5]  # below 16 tokens the recurrent form runs
-    assert max_error(model(mx.array(short)), hf_logits(hf, short)) < LOGITS_TOL
+    assert_logits_match(hf, model, VOCAB, (2, 20), label=name)
+    short = tokens(VOCAB, (2, 20), seed=1)[:, :5]  # below 16 tokens the recurrent form runs
+    assert_logits_match(hf, model, VOCAB, toks=short, label=f"{name}, 5 tokens")
 
 
 def test_layers_carry_the_configs_plan(checkpoints):
@@ -153,11 +142,7 @@ def test_greedy_generation_matches_transformers(name, checkpoints):
     so the layers run one by one."""
     hf, model, _ = checkpoints[name]
     assert all(b._step_plan() is None for b in model.model.layers)
-    prompt = tokens(VOCAB, (3, 18), seed=2)
-    want = hf_greedy(hf, prompt, 22)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 22) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 22)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=22, shape=(3, 18), label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -165,81 +150,33 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
     tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 19), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref)
-    assert {"model.embed_tokens.weight", "model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.dt_bias",
+    must = ["model.embed_tokens.weight", "model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.dt_bias",
             "model.layers.0.linear_attn.conv1d.weight", "model.layers.0.linear_attn.in_proj_qkv.weight",
             "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_norm.weight",
             "model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
             "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
-            "model.layers.2.mlp.shared_expert_gate.weight"} <= set(got)
-    for k in ref:
-        assert np.abs(ref[k]).max() > 0, k
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+            "model.layers.2.mlp.shared_expert_gate.weight"]
+    assert_loss_and_gradients_match(hf, model, VOCAB, (2, 19), must_include=must, nonzero=True, label=name)
 
 
 def test_aux_loss_matches_transformers(checkpoints):
     """The load-balancing loss, added with router_aux_loss_coef, and the gradients of the total."""
     hf, model, _ = checkpoints["interval"]
-    toks = tokens(VOCAB, (2, 9), seed=4)
-    with torch.no_grad():
-        want_aux = hf(torch.tensor(toks), output_router_logits=True).aux_loss.item()
-    ref_loss, ref = hf_loss_and_grads(hf, toks, output_router_logits=True)
-    coef = model.config["router_aux_loss_coef"]
-
-    def total(m, t, device):
-        return lm_loss(m, t, device) + coef * m.aux_loss()
-
-    model.output_router_logits = True
-    try:
-        model(mx.array(toks))
-        assert abs(model.aux_loss().item() - want_aux) < 1e-5 * want_aux
-        assert model.router_logits() == []  # aux_loss releases them
-        loss, got = mn_loss_and_grads(model, toks, total)
-    finally:
-        model.output_router_logits = False
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    for k in ("model.layers.0.mlp.gate.weight", "model.layers.3.mlp.gate.weight"):
-        assert relative_error(got[k], ref[k]) < GRAD_TOL, k
-    with pytest.raises(ValueError, match="output_router_logits"):
-        model.aux_loss()
+    assert_aux_loss_matches(hf, model, VOCAB, ["model.layers.0.mlp.gate.weight", "model.layers.3.mlp.gate.weight"])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and cfg["model_type"] == "qwen3_5_moe_text"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
+    back = assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="Qwen3_5MoeForCausalLM",
+                                                     model_type="qwen3_5_moe_text", seed=5, reload=True)
     assert back.config.num_experts == hf.config.num_experts and back.config.layer_types == hf.config.layer_types
-    toks = tokens(VOCAB, (1, 12), seed=5)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
-    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
 
 
 def test_stacked_expert_tensors_load(checkpoints, tmp_path):
@@ -298,35 +235,25 @@ def test_emulated_kernels_give_the_reference_logits_and_gradients(checkpoints, m
 
 def test_lora_on_the_familys_projections_trains(checkpoints):
     _, _, folder = checkpoints["grouped"]
-    mx.random.seed(0)
-    model = small_chunks(load_pretrained(folder))
-    toks = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    before = np.array(model(toks))
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     linear = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
     want = [f"model.layers.{i}.linear_attn.{p}" for i in (0, 2) for p in linear]
     want += [f"model.layers.1.self_attn.{p}" for p in PROJECTIONS[:4]]
     want += [f"model.layers.{i}.mlp.shared_expert.{p}" for i in range(3) for p in PROJECTIONS[-3:]]
-    assert sorted(paths) == sorted(want)
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want, prepare=small_chunks)
+    model = small_chunks(load_pretrained(folder))
+    toks = mx.array(tokens(VOCAB, (4, 17), seed=7))
+    before = np.array(model(toks))
+    mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     np.testing.assert_allclose(np.array(model(toks)), before, atol=1e-6)  # B starts at zero
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: toks, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
 
 
 def test_info_names_the_features(checkpoints):
     _, _, folder = checkpoints["grouped"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+Qwen3_5MoeForCausalLM", result.stdout)
     want = ["Gated DeltaNet linear attention on layers 0, 2",
             "gated full attention on layers 1 (q/k RMSNorm, partial rotary 8 of 16 features)",
             "zero-centred RMSNorm", "mixture of experts: 2 of 4 experts per token (renormalised)",
             "sigmoid-gated shared expert (12 wide)"]
-    assert re.search(r"features\s+" + re.escape("; ".join(want)) + "\n", result.stdout), result.stdout
-    assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == want
+    assert_info_features(folder, "Qwen3_5MoeForCausalLM", want)
 
 
 def test_bad_configs_name_the_field(checkpoints):
@@ -376,27 +303,11 @@ GGUF_CONFIG = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_at
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 
 
-def q8_0_values(hf):
-    """``hf`` with every tensor the Q8_0 file quantizes replaced by its Q8_0 round trip (a fixed point)."""
-    n = 0
-    with torch.no_grad():
-        for name, p in hf.state_dict().items():
-            if quantizable(name, tuple(p.shape)):
-                a = p.numpy().astype(np.float32)
-                back = gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
-                again = gguf.quants.dequantize(gguf.quants.quantize(back, Q.Q8_0), Q.Q8_0)
-                np.testing.assert_array_equal(again, back)
-                p.copy_(torch.from_numpy(back.reshape(p.shape)))
-                n += 1
-    assert n > 10
-    return hf
-
-
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])
 def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
     hf = qwen3_5_moe(**GGUF_CONFIG)
-    if qtype == Q.Q8_0:
-        hf = q8_0_values(hf)
+    if qtype == Q.Q8_0:  # every tensor the Q8_0 file quantizes holds its Q8_0 round trip
+        assert q8_0_values(hf, quantizable) > 10
     path = write(tmp_path / "qwen35moe.gguf", hf, "qwen35moe", qtype=qtype)
     model = small_chunks(load_pretrained(path))
     assert type(model) is mn.models.Qwen3_5MoeForCausalLM
@@ -409,9 +320,7 @@ def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
                   "model.layers.1.mlp.shared_expert.down_proj"]
         assert all(kinds[n].startswith("Quantized") for n in packed), {n: kinds[n] for n in packed}
         assert kinds["model.layers.0.mlp.gate"] == "Linear" and kinds["model.layers.0.mlp.experts"] == "SwitchGLU"
-    toks = tokens(VOCAB, (2, 20), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, (2, 20))
     prompt = tokens(VOCAB, (1, 6), seed=2)
     assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()
 

@@ -32,7 +32,6 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
@@ -41,6 +40,7 @@ from metalnn.errors import UnsupportedConfigError
 from metalnn.layers.moe import SparseMoE
 from metalnn.llm.models import load_pretrained
 
+from gguf_writing import add_tensor, expert_projections, finish, q8_0_values
 from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_batched_rows_match, assert_greedy_matches,
                           assert_info_features, assert_logits_match, assert_lora_trains,
@@ -190,43 +190,20 @@ def write_gguf(path, hf, qtype=Q.F32):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, c.num_hidden_layers)
 
     def add(name, a):
-        if a.ndim >= 2 and qtype != Q.F32 and ".ffn_gate_inp." not in name:
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a)
+        add_tensor(w, name, a, qtype if a.ndim >= 2 and ".ffn_gate_inp." not in name else Q.F32)
 
     for hf_name, p in hf.state_dict().items():
         if c.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
         a = p.detach().numpy().astype(np.float32)
-        if hf_name.endswith("mlp.experts.gate_up_proj"):
-            half = a.shape[1] // 2
-            base = hf_name[: -len(".gate_up_proj")]
-            for part, rows in (("gate_proj", a[:, :half]), ("up_proj", a[:, half:])):
-                add(names.get_name(f"{base}.{part}.weight", try_suffixes=(".weight",)), np.ascontiguousarray(rows))
-            continue
-        if hf_name.endswith("mlp.experts.down_proj"):
-            hf_name += ".weight"
-        add(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        for name, part in expert_projections(hf_name, a):
+            add(names.get_name(name, try_suffixes=(".weight", ".bias")), part)
+    return finish(w, path)
 
 
-def q8_0_values(hf):
-    """``hf`` with every matrix but the router replaced by its Q8_0 round trip (a fixed point)."""
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
-                a = p.numpy().astype(np.float32)
-                back = gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)
-                again = gguf.quants.dequantize(gguf.quants.quantize(back, Q.Q8_0), Q.Q8_0)
-                assert np.array_equal(back, again)
-                p.copy_(torch.from_numpy(back))
-    return hf
+def quantized(name, shape):
+    """Whether the Q8_0 file stores this tensor quantized: every matrix but the router."""
+    return len(shape) >= 2 and not name.endswith("mlp.gate.weight")
 
 
 # every layer sparse and renormalised (llama.cpp's qwen3moe graph), no window; widths multiples of 32 (Q8_0 rows)
@@ -238,7 +215,7 @@ GGUF_CONFIG = dict(BASE, num_hidden_layers=2, num_key_value_heads=2, head_dim=32
 def test_gguf_file_gives_transformers_logits_and_tokens(qtype, tmp_path):
     hf = qwen3_moe(**GGUF_CONFIG)
     if qtype == Q.Q8_0:
-        hf = q8_0_values(hf)
+        assert q8_0_values(hf, quantized) > 10  # every matrix the file quantizes holds its Q8_0 round trip
     model = load_pretrained(write_gguf(tmp_path / "qwen3moe.gguf", hf, qtype))
     assert type(model) is mn.models.Qwen3MoeForCausalLM
     assert len(model.moe_layers()) == 2 and model.moe_layers()[0].top_k == 2

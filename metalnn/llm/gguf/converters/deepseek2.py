@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .... import ggml
 from ....errors import WeightLoadError
 from ..convert import BLOCK_NAMES, Converter
 
@@ -89,16 +88,6 @@ class Deepseek2Converter(Converter):
             out.update(n_routed_experts=None, first_k_dense_replace=config["num_hidden_layers"])
         return out
 
-    def dense(self, arrays: dict, name: str):
-        """Tensor ``name`` taken out of ``arrays`` as float32 (GGML blocks decoded); None when absent."""
-        a = arrays.pop(name, None)
-        if a is None:
-            return None
-        kind = self.packed.pop(name, None)
-        a = ggml.get_type(kind).decode(a) if kind is not None else a.astype(mx.float32)
-        mx.eval(a)
-        return a
-
     def convert(self, arrays: dict, config: dict) -> dict:
         """The standard renaming, after each layer's split ``kv_b_proj``, stacked experts, router and
         router bias are taken out and rebuilt (a layer missing a part keeps its GGUF names, for a
@@ -121,14 +110,10 @@ class Deepseek2Converter(Converter):
                     out[self.hf_name(name)] = self.dense(arrays, name)
             if f"{blk}exp_probs_b.bias" in arrays:
                 out[pre + "mlp.gate.e_score_correction_bias"] = self.dense(arrays, f"{blk}exp_probs_b.bias")
-            names = [f"{blk}ffn_{kind}_exps.weight" for kind in ("gate", "up", "down")]
-            fused = f"{blk}ffn_gate_up_exps.weight"
-            if fused in arrays and names[2] in arrays:
+            fused, down = f"{blk}ffn_gate_up_exps.weight", f"{blk}ffn_down_exps.weight"
+            if fused in arrays and down in arrays:
                 out[pre + "mlp.experts.gate_up_proj"] = self.dense(arrays, fused)
-                out[pre + "mlp.experts.down_proj"] = self.dense(arrays, names[2])
-            elif all(n in arrays for n in names):
-                gate, up, down = (self.dense(arrays, n) for n in names)
-                out[pre + "mlp.experts.gate_up_proj"] = mx.concatenate([gate, up], axis=1)
-                out[pre + "mlp.experts.down_proj"] = down
-                mx.eval(out[pre + "mlp.experts.gate_up_proj"])
+                out[pre + "mlp.experts.down_proj"] = self.dense(arrays, down)
+            else:
+                out.update(self.stacked_experts(arrays, i))
         return {**super().convert(arrays, config), **out}

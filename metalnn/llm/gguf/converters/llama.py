@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .... import ggml
 from ..convert import BLOCK_NAMES, Converter, Misfit
 
 #: a Mixtral block's router (GGUF stem inside ``blk.N.`` -> Hugging Face name inside ``model.layers.N.``)
@@ -69,17 +68,6 @@ class LlamaConverter(Converter):
             if down is not None:
                 out[pre + "down_proj"] = down
         return out
-
-    def dense(self, arrays: dict, name: str):
-        """Tensor ``name`` (taken out of ``arrays``) as float32, GGML blocks decoded; None when absent
-        (a strict load then reports the missing parameter)."""
-        a = arrays.pop(name, None)
-        if a is None:
-            return None
-        kind = self.packed.pop(name, None)
-        a = ggml.get_type(kind).decode(a) if kind is not None else a.astype(mx.float32)
-        mx.eval(a)
-        return a
 
     def transform(self, name: str, array, config: dict):
         if ".self_attn.q_proj." not in name and ".self_attn.k_proj." not in name:

@@ -12,13 +12,7 @@ position, so the config gets ``norm_topk_prob`` true (unless the file says other
 
 from __future__ import annotations
 
-import mlx.core as mx
-
-from .... import ggml
 from ..convert import BLOCK_NAMES, Converter
-
-#: per-layer stacked expert stems -> the half of ``gate_up_proj`` they fill (``down`` is its own tensor)
-EXPERT_STEMS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 class Qwen3MoeConverter(Converter):
@@ -37,23 +31,11 @@ class Qwen3MoeConverter(Converter):
                 "decoder_sparse_step": 1, "mlp_only_layers": dense, "use_sliding_window": False,
                 "sliding_window": None}
 
-    def dense(self, name: str, array):
-        """A tensor of the file as float32 (GGML blocks decoded)."""
-        kind = self.packed.get(name)
-        return array.astype(mx.float32) if kind is None else ggml.get_type(kind).decode(array)
-
     def convert(self, arrays: dict, config: dict) -> dict:
         """The standard renaming, after each layer's ``ffn_{gate,up,down}_exps`` are taken out and
         stacked as ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` (a layer missing one of
         them keeps its GGUF names, for a strict load to report)."""
         experts = {}
         for i in range(config["num_hidden_layers"]):
-            names = [f"blk.{i}.{stem}.weight" for stem in EXPERT_STEMS]
-            if not all(n in arrays for n in names):
-                continue
-            gate, up, down = (self.dense(n, arrays.pop(n)) for n in names)
-            pre = f"model.layers.{i}.mlp.experts."
-            experts[pre + "gate_up_proj"] = mx.concatenate([gate, up], axis=1)
-            experts[pre + "down_proj"] = down
-            mx.eval(experts[pre + "gate_up_proj"], down)
+            experts.update(self.stacked_experts(arrays, i))
         return {**super().convert(arrays, config), **experts}
