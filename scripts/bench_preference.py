@@ -408,7 +408,7 @@ def main(argv=None):
     if args.child:
         return child(args)
     if args.quick:
-        args.steps, args.warmup, args.grpo_steps = min(args.steps, 3), 1, min(args.grpo_steps, 2)
+        args.steps, args.warmup, args.grpo_steps = min(args.steps, 2), 1, 1
         args.completion_length, args.prompts_per_step = min(args.completion_length, 16), 1
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
