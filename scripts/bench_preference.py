@@ -370,7 +370,8 @@ def summarize(runs: list) -> dict:
 
 
 def table(results: dict) -> list:
-    lines = ["| run | tokens/s | s/step | vs TRL (speed) | peak RSS (MiB) | above imports (MiB) | vs TRL (above imports) |",
+    lines = ["| run | tokens/s | s/step | vs TRL (speed) | peak RSS (MiB) | above imports (MiB) | "
+             "vs TRL (above imports) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in results.items():
         peer = results.get(PEER[name])
