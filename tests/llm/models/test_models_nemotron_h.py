@@ -51,7 +51,8 @@ CONFIGS = {
                        routed_scaling_factor=1.5, moe_latent_size=20),
     "dense_bias": dict(BASE, hybrid_override_pattern="-M*M-M", num_key_value_heads=1, mamba_num_heads=2,
                        mamba_head_dim=16, ssm_state_size=5, n_groups=1, conv_kernel=3, use_conv_bias=False,
-                       use_bias=True, mlp_bias=True, tie_word_embeddings=True, residual_in_fp32=True),
+                       use_bias=True, mlp_bias=True, tie_word_embeddings=True, residual_in_fp32=True,
+                       initializer_range=0.3),  # (0.2 makes this random model repeat one token)
 }
 KINDS = {"moe_latent": ["mamba", "moe", "mamba", "attention", "moe", "mamba", "mlp"],
          "dense_bias": ["mlp", "mamba", "attention", "mamba", "mlp", "mamba"]}
