@@ -59,7 +59,7 @@ from ...layers.norm import RMSNorm
 from ...layers.sigmoid_moe import GroupLimitedMoE
 from ...layers.state_cache import StateCache
 from ...weights import Provider, open_provider
-from ..gguf.converters.nemotron_h import NemotronHConverter
+from ..gguf.converters.nemotron_h import NemotronHConverter, NemotronHMoEConverter
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import DecoderStack
 from .registry import register
@@ -381,7 +381,7 @@ def model_to_checkpoint(name: str) -> str:
     return name
 
 
-@register("NemotronHForCausalLM", model_types=("nemotron_h",), gguf=NemotronHConverter)
+@register("NemotronHForCausalLM", model_types=("nemotron_h",), gguf=(NemotronHConverter, NemotronHMoEConverter))
 class NemotronHForCausalLM(CausalLM):
     """Nemotron-H built from a Hugging Face ``NemotronHConfig`` dict (`ModelArgs` lists the keys read).
 

@@ -7,9 +7,10 @@ initial value: D, the convolution biases, every projection bias, the routers' co
 Two configs:
 
 * ``moe_latent``: ``MEM*EM-`` (Mamba2, experts, attention, MLP), 2 of 6 experts per token from
-  1 of 3 groups, weights x1.5, experts in a 20-wide latent space, 2 groups of B/C, no biases;
+  1 of 3 groups, weights x1.5, experts in a 20-wide latent space, 8 Mamba2 heads of 8 in 2 groups
+  of B/C, no biases;
 * ``dense_bias``: ``-M*M-M`` (an MLP layer first: its cache entry only counts positions), no
-  experts, projection, MLP and no convolution biases, a 3-wide convolution, one group,
+  experts, 4 Mamba2 heads of 16, projection, MLP and no convolution biases, a 3-wide convolution, one group,
   ``tie_word_embeddings`` set (which transformers' Nemotron-H ignores: the head stays its own),
   ``residual_in_fp32``.
 
@@ -45,11 +46,11 @@ VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, head_dim=8, intermediate_size=24,
             mamba_head_dim=8, chunk_size=8, initializer_range=0.2)
 CONFIGS = {
-    "moe_latent": dict(BASE, hybrid_override_pattern="MEM*EM-", num_key_value_heads=2, mamba_num_heads=4,
+    "moe_latent": dict(BASE, hybrid_override_pattern="MEM*EM-", num_key_value_heads=2, mamba_num_heads=8,
                        ssm_state_size=6, n_groups=2, n_routed_experts=6, num_experts_per_tok=2,
                        moe_intermediate_size=12, moe_shared_expert_intermediate_size=16, n_group=3, topk_group=1,
                        routed_scaling_factor=1.5, moe_latent_size=20),
-    "dense_bias": dict(BASE, hybrid_override_pattern="-M*M-M", num_key_value_heads=1, mamba_num_heads=2,
+    "dense_bias": dict(BASE, hybrid_override_pattern="-M*M-M", num_key_value_heads=1, mamba_num_heads=4,
                        mamba_head_dim=16, ssm_state_size=5, n_groups=1, conv_kernel=3, use_conv_bias=False,
                        use_bias=True, mlp_bias=True, tie_word_embeddings=True, residual_in_fp32=True,
                        initializer_range=0.3),  # (0.2 makes this random model repeat one token)
