@@ -35,7 +35,7 @@ from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import load_pretrained
 from metalnn.llm.models.nemotron_h import checkpoint_to_model
 
-from hf_models import hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads, relative_error, \
+from hf_models import hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads, relative_error, \
     tokens
 from model_checks import (GRAD_TOL, LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
                           assert_logits_match, assert_lora_trains, assert_saved_folder_loads_in_transformers)
@@ -275,3 +275,53 @@ def test_config_forms_and_bad_configs(checkpoints):
                                    num_experts_per_tok=3))
     with pytest.raises(NotImplementedError, match="e_score_correction_bias"):
         model.aux_loss()
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------
+# gguf_nemotron_files writes the files the converter's way, in its two variants (the Hub's config.json, or
+# transformers 5's AutoConfig: see its docstring); checked against convert_hf_to_gguf.py itself on both configs
+# in both variants: the same tensor names, types, shapes and bytes, and the same non-tokenizer metadata, for
+# --outtype f32 and q8_0. GGUF keeps no time_step_min (llama.cpp never clamps dt): the default 0.001 of
+# transformers' models never bites on these random models, so their logits are the reference still.
+GGUF_CASES = [("moe_latent", "F32", True), ("moe_latent", "Q8_0", True), ("dense_bias", "F32", True),
+              ("dense_bias", "Q8_0", True), ("moe_latent", "F32", False), ("dense_bias", "Q8_0", False)]
+
+
+@pytest.mark.parametrize("name,qtype,hub_config", GGUF_CASES)
+def test_gguf_file_gives_transformers_logits_and_tokens(name, qtype, hub_config, tmp_path):
+    import gguf_nemotron_files
+    from gguf import GGMLQuantizationType as Q
+
+    hf = build(name)
+    if qtype == "Q8_0":  # transformers holds the same Q8_0 / F16 values the file does
+        hf = gguf_nemotron_files.q8_0_values(hf)
+    path = gguf_nemotron_files.write(tmp_path / "nemotron.gguf", hf, qtype=getattr(Q, qtype), hub_config=hub_config)
+    model = small_chunks(load_pretrained(path))
+    assert type(model) is mn.models.NemotronHForCausalLM
+    assert model.layer_kinds == KINDS[name]
+    assert model.args.time_step_min == 0.0
+    if qtype == "Q8_0":
+        assert "quantization" in model.config  # the 32-wide matrices stay Q8_0 (as MLX's 8-bit groups)
+        mamba = model.model.layers[KINDS[name].index("mamba")].mixer
+        assert type(mamba.in_proj).__name__ == "QuantizedLinear"
+    toks = tokens(VOCAB, (2, 20), seed=1)
+    assert_logits_match(hf, model, VOCAB, toks=toks, label=f"{name} {qtype}")
+    prompt = tokens(VOCAB, (1, 9), seed=2)
+
+    assert mn.generate(model, prompt[0].tolist(), 20) == hf_greedy(hf, prompt, 20)[0].tolist()
+
+
+def test_gguf_file_without_the_layers_it_needs_is_refused(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "nemotron_h")
+    for key, value in (("block_count", 1), ("embedding_length", 32), ("attention.head_count", 4)):
+        w.add_uint32(f"nemotron_h.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 32), np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedConfigError, match="block 0 holds none of ssm_in, attn_q, ffn_gate_inp, ffn_up"):
+        load_pretrained(tmp_path / "bad.gguf")
