@@ -53,7 +53,7 @@ CONFIGS = {
     "dense_bias": dict(BASE, hybrid_override_pattern="-M*M-M", num_key_value_heads=1, mamba_num_heads=4,
                        mamba_head_dim=16, ssm_state_size=5, n_groups=1, conv_kernel=3, use_conv_bias=False,
                        use_bias=True, mlp_bias=True, tie_word_embeddings=True, residual_in_fp32=True,
-                       initializer_range=0.3),  # (0.2 makes this random model repeat one token)
+                       initializer_range=0.15),  # (0.2 and above make this random model repeat one token)
 }
 KINDS = {"moe_latent": ["mamba", "moe", "mamba", "attention", "moe", "mamba", "mlp"],
          "dense_bias": ["mlp", "mamba", "attention", "mamba", "mlp", "mamba"]}
@@ -71,8 +71,8 @@ def perturb(hf, seed=0):
                 module.D.copy_(torch.rand(module.D.shape, generator=g) * 2 - 1)
                 if module.conv1d.bias is not None:
                     module.conv1d.bias.copy_(torch.rand(module.conv1d.bias.shape, generator=g) - 0.5)
-            if isinstance(module, torch.nn.Linear) and module.bias is not None:
-                module.bias.copy_(torch.rand(module.bias.shape, generator=g) - 0.5)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:  # (+-0.1: larger biases through
+                module.bias.copy_((torch.rand(module.bias.shape, generator=g) - 0.5) * 0.2)  # relu2 collapse greedy)
             if hasattr(module, "e_score_correction_bias"):
                 b = module.e_score_correction_bias
                 b.copy_(torch.rand(b.shape, generator=g) * 0.5)
@@ -119,10 +119,10 @@ def test_logits_match_transformers(name, checkpoints):
 def test_time_step_min_clamps_dt(tmp_path):
     """transformers clamps dt below at ``time_step_min`` in its chunked scan (``time_step_limit`` is
     not read): a large minimum changes the logits, and metalnn's with them."""
-    hf = build("dense_bias", time_step_min=0.3)
+    hf = build("dense_bias", time_step_min=1.0)
     hf.save_pretrained(tmp_path)
     model = small_chunks(load_pretrained(tmp_path))
-    assert model.model.layers[1].mixer.time_step_limit == (pytest.approx(0.3), float("inf"))
+    assert model.model.layers[1].mixer.time_step_limit == (1.0, float("inf"))
     toks = tokens(VOCAB, (2, 20), seed=1)
     plain = build("dense_bias")
     assert max_error(hf_logits(plain, toks), hf_logits(hf, toks)) > 100 * LOGITS_TOL  # the clamp matters here
