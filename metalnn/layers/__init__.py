@@ -17,7 +17,7 @@ from .mamba2 import Mamba2, Mamba2Cache
 from .linear import Linear, LinearWithWeights, MulRows
 from .mlp import MLP, SwiGLU
 from .latent_attention import LatentAttention
-from .moe import SparseMoE, SwitchGLU, load_balancing_loss
+from .moe import SparseMoE, SwitchGLU, SwitchMLP, load_balancing_loss
 from .norm import GatedRMSNorm, GroupedGatedRMSNorm, LayerNorm, RMSNorm
 from .pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from .quantized import QuantizedEmbedding, QuantizedLinear
@@ -37,7 +37,7 @@ __all__ = [
     "Flatten", "Identity", "Reshape",
     "Dropout", "GatedRMSNorm", "GroupedGatedRMSNorm", "LayerNorm", "RMSNorm",
     "Parallel", "Residual",
-    "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "load_balancing_loss", "GroupLimitedMoE", "SigmoidRouter",
+    "MLP", "SwiGLU", "SparseMoE", "SwitchGLU", "SwitchMLP", "load_balancing_loss", "GroupLimitedMoE", "SigmoidRouter",
     "LatentAttention",
     "KVCache", "SelfAttention", "DecoderBlock", "SandwichBlock", "TransformerBlock", "GatedDeltaCache", "StateCache",
     "GatedDeltaNet", "Mamba2", "Mamba2Cache", "FusedQKVAttention", "FusedGateUpMLP", "LongRoPE", "ShortConv",

@@ -1,5 +1,5 @@
 """Sparse mixture of experts: `SwitchGLU` (many gated MLPs in stacked weights), `ClampedSwitchGLU`
-(gpt-oss's experts: biases and a clamped SwiGLU), `SparseMoE` (router with top-k routing, experts,
+(gpt-oss's experts: biases and a clamped SwiGLU), `SwitchMLP` (ungated experts, Nemotron-H's), `SparseMoE` (router with top-k routing, experts,
 optional shared expert) and `load_balancing_loss`.
 
 The experts run as grouped matrix products (``mx.gather_mm``): each token multiplies only the
@@ -173,6 +173,70 @@ class ClampedSwitchGLU(Layer):
     def _extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden_dims={self.hidden_dims}, alpha={self.alpha:g}, "
                 f"limit={self.limit:g}")
+
+
+class SwitchMLP(Layer):
+    """``num_experts`` plain (ungated) MLPs ``down_proj[e](act(up_proj[e] x))`` applied per (token,
+    expert) pair (Nemotron-H's experts, squared ReLU).
+
+    Called as `SwitchGLU` (``compile(device, data, indices=idx)``: rows ``[N, W]``, ids ``[N, k]`` ->
+    ``[N, k, W]``). Parameters in transformers' ``NemotronHExperts`` layout: ``up_proj``
+    ``[E, hidden, W]`` and ``down_proj`` ``[E, W, hidden]``.
+
+    Args:
+        num_experts: number of experts E.
+        hidden_dims: hidden width of one expert (``moe_intermediate_size``).
+        activation: the activation between the projections (``relu2``).
+        init: initializer of both weights (default: N(0, 0.02), transformers' expert init).
+        dtype: parameter dtype.
+    """
+
+    fixed_axes = ("W",)
+
+    positional_hint = "{cls}({num_experts}, {hidden_dims}, activation=...)"
+
+    def __init__(self, num_experts: int, hidden_dims: int, *, activation: str = "relu2", init=None, dtype=None):
+        super().__init__()
+        if num_experts <= 0 or hidden_dims <= 0:
+            raise ValueError(f"SwitchMLP: num_experts and hidden_dims must be positive, got {num_experts}, "
+                             f"{hidden_dims}")
+        self.num_experts = int(num_experts)
+        self.hidden_dims = int(hidden_dims)
+        self.activation = F.check_activation(activation)
+        self._init = initializers.get(init, initializers.Normal(0.02))
+        self._dtype = dtype
+
+    def build(self, device, dims, dtype):
+        dtype = self._dtype or float_dtype(dtype)
+        e, h, w = self.num_experts, self.hidden_dims, dims.W
+        self.up_proj = self._init((e, h, w), w, h, device.next_key(), dtype)
+        self.down_proj = self._init((e, w, h), h, w, device.next_key(), dtype)
+
+    def forward(self, device, data, indices=None):
+        if indices is None:
+            raise TypeError(f"{self._describe()}: needs indices= (expert ids [N, k])")
+        x = data.array.reshape(-1, data.dims.W)
+        n, k = indices.shape
+        self.require(n == x.shape[0], f"indices for {x.shape[0]} rows", f"indices of shape {tuple(indices.shape)}")
+        idx = mx.stop_gradient(indices)
+        order = None
+        if idx.size >= SORT_FROM:  # group the (token, expert) pairs by expert: contiguous weight reads
+            flat = idx.flatten()
+            order = mx.argsort(flat)
+            xe = x[order // k][:, None, :]                               # [N*k, 1, W]
+            idx = flat[order]                                            # [N*k]
+        else:
+            xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
+        h = F.activation(F.gather_matmul(xe, self.up_proj, idx, order is not None), self.activation, device=device)
+        y = F.gather_matmul(h, self.down_proj, idx, order is not None)                       # [..., 1, W]
+        if order is not None:
+            y = y[mx.argsort(order)].reshape(n, k, -1)
+        else:
+            y = y.reshape(n, k, -1)
+        return Data(y, MTLSize(x.shape[-1], k, n))
+
+    def _extra_repr(self):
+        return f"num_experts={self.num_experts}, hidden_dims={self.hidden_dims}, activation={self.activation!r}"
 
 
 class RouterRecord:

@@ -6,7 +6,7 @@
 >>> model.save_pretrained("out/")                                   # transformers can load it
 
 One architecture a module (``llama``, ``gpt2``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral``, ``mixtral``,
-``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``, ``deepseek_v3``, ``lfm2``, ``gpt_oss``, ``granitemoehybrid``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
+``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe``, ``phi3``, ``gemma2``, ``gemma3``, ``smollm3``, ``deepseek_v3``, ``lfm2``, ``gpt_oss``, ``granitemoehybrid``, ``nemotron_h``), each a typed ``ModelArgs`` dataclass and a `CausalLM`
 subclass built from shared blocks (`metalnn.layers`, `decoder`, `hybrid`, `rope`, `experts`) that registers itself
 in `ARCHITECTURES` (`registry`: keyed by Hugging Face architecture, ``model_type`` and GGUF architecture). Checkpoints:
 Hugging Face folders (float or MLX-quantized), GGUF files (`metalnn.llm.gguf`) and Hub names
@@ -17,8 +17,8 @@ Supported architectures: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``Qwen2ForCa
 ``Qwen3_5ForCausalLM`` (also the text model of a ``Qwen3_5ForConditionalGeneration`` folder),
 ``Qwen3_5MoeForCausalLM`` (also the text model of a ``Qwen3_5MoeForConditionalGeneration`` folder),
 ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``SmolLM3ForCausalLM``, ``MixtralForCausalLM``,
-``DeepseekV3ForCausalLM``, ``Lfm2ForCausalLM``, ``GptOssForCausalLM`` and
-``GraniteMoeHybridForCausalLM``.
+``DeepseekV3ForCausalLM``, ``Lfm2ForCausalLM``, ``GptOssForCausalLM``,
+``GraniteMoeHybridForCausalLM`` and ``NemotronHForCausalLM``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from .llama import LlamaForCausalLM, llama_config
 from .loading import from_config, load_pretrained, read_config, read_gguf
 from .mistral import MistralForCausalLM
 from .mixtral import MixtralForCausalLM
+from .nemotron_h import NemotronHForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
@@ -50,7 +51,7 @@ from .smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "BaseModelArgs", "CausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
            "Gemma3ForCausalLM", "GPT2LMHeadModel", "GptOssForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM",
-           "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3_5ForCausalLM",
+           "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3_5ForCausalLM",
            "Qwen3_5MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
            "SmolLM3ForCausalLM", "Tokenizer", "UnsupportedConfigError", "char_tokenizer", "from_config", "gguf",
            "llama_config", "load_pretrained", "load_tokenizer", "model_class", "read_config", "read_gguf",

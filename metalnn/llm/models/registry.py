@@ -20,6 +20,7 @@ architecture whose files load as this model (None: no GGUF files).
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 
 from ...errors import UnsupportedConfigError
@@ -35,12 +36,15 @@ class Architecture:
         names: Hugging Face architecture names (the first is written by `save_pretrained`).
         model_types: config ``model_type`` values (the first is written by `save_pretrained`).
         gguf: the GGUF `Converter` class of its files (its ``architecture`` is the GGUF key), or None.
+        more_gguf: the converters of further llama.cpp architectures of the same model (Nemotron-H's
+            ``nemotron_h_moe``); `Registry.for_gguf` gives each an entry whose ``gguf`` is that converter.
     """
 
     model: type
     names: tuple
     model_types: tuple
     gguf: type | None = None
+    more_gguf: tuple = ()
 
 
 class Registry(Mapping):
@@ -56,8 +60,8 @@ class Registry(Mapping):
         """Register ``entry``; ValueError when one of its keys (or its class) is registered already."""
         taken = [f"architecture {n!r}" for n in entry.names if n in self._by_name]
         taken += [f"model_type {t!r}" for t in entry.model_types if t in self._by_model_type]
-        if entry.gguf is not None and entry.gguf.architecture in self._by_gguf:
-            taken.append(f"GGUF architecture {entry.gguf.architecture!r}")
+        converters = ([entry.gguf] if entry.gguf is not None else []) + list(entry.more_gguf)
+        taken += [f"GGUF architecture {c.architecture!r}" for c in converters if c.architecture in self._by_gguf]
         if any(e.model is entry.model for e in self._entries):
             taken.append(f"class {entry.model.__name__}")
         if taken:
@@ -69,6 +73,8 @@ class Registry(Mapping):
             self._by_model_type[t] = entry
         if entry.gguf is not None:
             self._by_gguf[entry.gguf.architecture] = entry
+        for c in entry.more_gguf:
+            self._by_gguf[c.architecture] = dataclasses.replace(entry, gguf=c, more_gguf=())
 
     # -- Mapping ---------------------------------------------------------------------------------
     def __getitem__(self, name: str):
@@ -117,10 +123,10 @@ class Registry(Mapping):
 ARCHITECTURES = Registry()
 
 
-def register(*names: str, model_types: tuple, gguf: type | None = None, registry: Registry = ARCHITECTURES):
+def register(*names: str, model_types: tuple, gguf=None, registry: Registry = ARCHITECTURES):
     """Class decorator: register a `CausalLM` subclass under Hugging Face architecture ``names``,
-    ``model_types`` and (optionally) the GGUF converter of its files; sets ``architecture`` and
-    ``model_type`` to the first of each.
+    ``model_types`` and (optionally) the GGUF converter of its files (a tuple: the converters of
+    several llama.cpp architectures); sets ``architecture`` and ``model_type`` to the first of each.
 
     Raises:
         TypeError: the class is no `CausalLM`, or its ``args_class`` no `BaseModelArgs` dataclass.
@@ -136,7 +142,8 @@ def register(*names: str, model_types: tuple, gguf: type | None = None, registry
                             "dataclass)")
         if not names or not model_types:
             raise ValueError(f"register: {cls.__name__} needs at least one architecture name and model type")
-        registry.add(Architecture(cls, tuple(names), tuple(model_types), gguf))
+        converters = tuple(gguf) if isinstance(gguf, (tuple, list)) else (gguf,)
+        registry.add(Architecture(cls, tuple(names), tuple(model_types), converters[0], converters[1:]))
         cls.architecture, cls.model_type = names[0], model_types[0]
         return cls
 

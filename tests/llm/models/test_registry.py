@@ -9,7 +9,7 @@ import pytest
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import (ARCHITECTURES, CausalLM, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss,
-                                granitemoehybrid, lfm2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_5,
+                                granitemoehybrid, lfm2, llama, mistral, mixtral, nemotron_h, phi3, qwen2, qwen3, qwen3_5,
                                 qwen3_5_moe, qwen3_moe, qwen3_next, smollm3)
 from metalnn.llm.models.registry import Registry, register
 
@@ -30,6 +30,9 @@ def _config(module) -> dict:
         return dict(LLAMA, num_key_value_heads=2, layer_types=["conv", "full_attention"])
     if module is granitemoehybrid:
         return dict(LLAMA, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_state=8)
+    if module is nemotron_h:
+        return dict(LLAMA, hybrid_override_pattern="M*-E", num_key_value_heads=2, mamba_num_heads=4, n_groups=2,
+                    n_routed_experts=4)
     return dict(LLAMA, sliding_window=4)
 
 
@@ -49,7 +52,8 @@ def test_one_registry_keyed_three_ways():
              "DeepseekV3ForCausalLM": mn.models.DeepseekV3ForCausalLM,
              "Lfm2ForCausalLM": mn.models.Lfm2ForCausalLM, "LFM2ForCausalLM": mn.models.Lfm2ForCausalLM,
              "GptOssForCausalLM": mn.models.GptOssForCausalLM,
-             "GraniteMoeHybridForCausalLM": mn.models.GraniteMoeHybridForCausalLM}
+             "GraniteMoeHybridForCausalLM": mn.models.GraniteMoeHybridForCausalLM,
+             "NemotronHForCausalLM": mn.models.NemotronHForCausalLM}
     assert dict(ARCHITECTURES) == names
     types = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
@@ -58,7 +62,8 @@ def test_one_registry_keyed_three_ways():
              "smollm3": "SmolLM3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
              "deepseek_v3": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM",
-             "gpt_oss": "GptOssForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+             "gpt_oss": "GptOssForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+             "nemotron_h": "NemotronHForCausalLM"}
     for model_type, name in types.items():
         assert ARCHITECTURES.for_model_type(model_type).model is names[name]
         assert mn.models.model_class({"model_type": model_type}) is names[name]
@@ -67,7 +72,8 @@ def test_one_registry_keyed_three_ways():
              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
              "qwen3moe": "Qwen3MoeForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
              "deepseek2": "DeepseekV3ForCausalLM", "lfm2": "Lfm2ForCausalLM",
-             "gpt-oss": "GptOssForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM"}
+             "gpt-oss": "GptOssForCausalLM", "granitehybrid": "GraniteMoeHybridForCausalLM",
+             "nemotron_h": "NemotronHForCausalLM", "nemotron_h_moe": "NemotronHForCausalLM"}
     assert set(ARCHITECTURES.gguf_converters()) == set(ggufs)
     for arch, name in ggufs.items():
         entry = ARCHITECTURES.for_gguf(arch)
@@ -175,6 +181,9 @@ def test_defaults_are_declared_once_and_taken_for_absent_or_null_keys():
     (granitemoehybrid, "mamba_n_groups", 3, "mamba_n_groups = 3 is not supported (supported: a divisor of mamba_n_heads"),
     (granitemoehybrid, "layer_types", ["mamba", "sliding_attention"],
      "layer_types[1] = 'sliding_attention' is not supported (supported: linear_attention, mamba, full_attention"),
+    (nemotron_h, "n_groups", 3, "n_groups = 3 is not supported (supported: a divisor of mamba_num_heads = 4)"),
+    (nemotron_h, "hybrid_override_pattern", "M*X", "layers_block_type[2] = 'X' is not supported (supported: "
+                                                  "linear_attention, mamba, M, full_attention"),
 ])
 def test_unsupported_values_name_the_field_the_value_and_what_is_supported(module, key, value, words):
     config = _config(module)
