@@ -72,6 +72,11 @@ def _gated_delta(device, q, k, v, g, beta):
     return [o, ht]
 
 
+def _ssd(device, x, dt, A, B, C, D):
+    y, ht = F.ssd_scan(x, mx.abs(dt) * 0.3, -mx.abs(A), B, C, D, device=device)
+    return [y, ht]
+
+
 def _ggml(cls, w):
     def fn(device, x):
         return [F.ggml_matmul(x, w, cls, device=device)]
@@ -119,6 +124,10 @@ def cases():
         args = tuple(_rand(s, F32, 9 + j) for j, s in enumerate(
             [(B, T, Hk, K), (B, T, Hk, K), (B, T, Hv, V), (B, T, Hv), (B, T, Hv)]))
         out.append(("gated_delta", f"B {B} T {T} Hk {Hk} Hv {Hv} K {K} V {V} float32", _gated_delta, args))
+    for B, T, H, P, G, N in kc.SSD_SHAPES:
+        args = tuple(_rand(s, F32, 12 + j) for j, s in enumerate(
+            [(B, T, H, P), (B, T, H), (H,), (B, T, G, N), (B, T, G, N), (H,)]))
+        out.append(("ssd", f"B {B} T {T} H {H} P {P} G {G} N {N} float32", _ssd, args))
     for name, cls in sorted(ggml.TYPES.items()):
         for rows, values, lead in GGML_SHAPES:
             cols = -(-values // cls.block_size) * cls.block_size

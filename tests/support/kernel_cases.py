@@ -56,6 +56,9 @@ CONV_CASES = [
 #: gated delta rule: (B, T, Hk, Hv, K, V): plain heads; grouped heads with T not a multiple of the
 #: chunk / checkpoint; wide heads over several checkpoints
 GATED_DELTA_SHAPES = [(2, 12, 2, 2, 16, 8), (1, 37, 1, 2, 8, 4), (1, 35, 1, 1, 40, 6)]
+#: SSD scans (B, T, H, P, G, N): one token, an odd length across several state checkpoints (every 16
+#: tokens), groups of B/C, and a state width that is not a multiple of a SIMD group
+SSD_SHAPES = [(1, 1, 2, 4, 1, 8), (2, 37, 4, 8, 2, 16), (1, 20, 3, 5, 1, 33)]
 
 
 def emulate(lane_order="forward", seed=0):

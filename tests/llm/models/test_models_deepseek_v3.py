@@ -49,7 +49,7 @@ from metalnn.llm.models import load_pretrained
 
 from gguf_deepseek_files import write_gguf
 from gguf_writing import finish, q8_0_round_trip, q8_0_values
-from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, save_and_load, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
                           assert_logits_match, assert_lora_trains, assert_loss_and_gradients_match,
                           assert_saved_folder_loads_in_transformers)

@@ -265,7 +265,10 @@ def test_bad_tool_and_format_requests_are_400s(client, extra, param, mention):
 
 
 def test_after_bad_requests_nothing_failed(server, client):
-    assert client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3).choices[0].message.content
+    # the server still answers (a sampled answer of the tiny model may be its end-of-sequence token alone,
+    # so the test asks for tokens generated, not for text)
+    answer = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
     health = server.wait_idle()
     assert health["failed"] == 0
 
