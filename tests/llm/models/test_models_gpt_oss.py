@@ -47,7 +47,7 @@ from metalnn.llm.models import load_pretrained
 from metalnn.llm.models.rope import rope_options, yarn_rope_parameters
 
 import gguf_gpt_oss_files
-from hf_models import hf_greedy, hf_logits, hf_model, max_error, tokens
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
                           assert_logits_match, assert_loss_and_gradients_match, assert_lora_trains,
                           assert_saved_folder_loads_in_transformers)
@@ -94,13 +94,7 @@ def metalnn_name(name):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = gpt_oss(**kw)
-        folder = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(folder)
-        out[name] = (hf, load_pretrained(folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: gpt_oss(**kw) for name, kw in CONFIGS.items()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -33,7 +33,7 @@ from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import load_pretrained
 from metalnn.llm.models.nemotron_h import checkpoint_to_model
 
-from hf_models import hf_greedy, hf_logits, hf_model, max_error, tokens
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
 from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_emulated_kernels_match, assert_greedy_matches,
                           assert_info_features, assert_logits_match, assert_loss_and_gradients_match,
                           assert_lora_trains, assert_saved_folder_loads_in_transformers)
@@ -93,13 +93,7 @@ def build(name, **changes):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name in CONFIGS:
-        hf = build(name)
-        folder = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(folder)
-        out[name] = (hf, small_chunks(load_pretrained(folder)), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: build(name) for name in CONFIGS}, prepare=small_chunks)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
