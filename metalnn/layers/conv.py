@@ -14,7 +14,9 @@ layer                      input dims ``(W, H, D)``            output dims
 ``Conv3D``                 ``(W, H, N*C*depth)``               ``(W_out, H_out, N*out_channels*depth_out)``
 =========================  ==================================  ====================================
 
-(``ConvTransposed*`` use the same layouts.) ``Data.array`` is ``(D, H, W)``, so for 2-D it is the
+(``ConvTransposed*`` use the same layouts.) `causal_conv` runs a depthwise `Conv1D` causally over
+``[B, T, C]`` tokens with a decoding cache's last inputs in front (the recurrent mixers' and LFM2's
+short convolutions). ``Data.array`` is ``(D, H, W)``, so for 2-D it is the
 ``[N, C, H, W]`` tensor with N and C merged, and for 3-D the ``[N, C, depth, H, W]`` tensor with
 N, C and depth merged: ``Data.from_nchw(x)`` builds 2-D input, ``data.to_nchw(out_channels)``
 reads the output back.
@@ -309,3 +311,19 @@ class ConvTransposed3D(_ConvBase):
 
 
 __all__ = ["Conv1D", "Conv2D", "Conv3D", "ConvTransposed1D", "ConvTransposed2D", "ConvTransposed3D"]
+
+
+def causal_conv(layer, device, conv, x, cache, keep: int):
+    """Causal convolution of tokens ``x`` ``[B, T, C]`` by ``conv`` (a depthwise `Conv1D` of width
+    ``keep + 1``, a child of ``layer``) -> ``[B, T, C]``: the ``keep`` inputs before ``x`` are
+    ``cache.conv_state`` ``[B, keep, C]`` (zeros without a cache or before its first call), and the
+    cache's ``conv_state`` becomes the last ``keep`` inputs. No activation."""
+    B, T, C = x.shape
+    if cache is not None and cache.conv_state is not None:
+        prev = cache.conv_state.astype(x.dtype)
+    else:
+        prev = mx.zeros((B, keep, C), x.dtype)
+    xp = mx.concatenate([prev, x], axis=1) if keep else x                  # [B, keep + T, C]
+    if cache is not None:
+        cache.conv_state = xp[:, xp.shape[1] - keep:]
+    return layer.compile_child_array(conv, device, xp)                     # [B, T, C] (no padding)

@@ -34,7 +34,7 @@ import mlx.core as mx
 from .. import functional as F
 from ..data import Data, MTLSize
 from .base import Layer
-from .conv import Conv1D
+from .conv import Conv1D, causal_conv
 from .state_cache import StateCache
 from .linear import Linear, float_dtype
 from .norm import GatedRMSNorm
@@ -125,16 +125,7 @@ class GatedDeltaNet(Layer):
 
     def _conv(self, device, x, cache):
         """Causal depthwise conv + activation over ``x`` ``[B, T, C]``; updates the cache's conv tail."""
-        B, T, C = x.shape
-        kw = self.conv_kernel
-        if cache is not None and cache.conv_state is not None:
-            prev = cache.conv_state.astype(x.dtype)
-        else:
-            prev = mx.zeros((B, kw - 1, C), x.dtype)
-        xp = mx.concatenate([prev, x], axis=1)                              # [B, kw - 1 + T, C]
-        if cache is not None:
-            cache.conv_state = xp[:, xp.shape[1] - (kw - 1):]
-        y = self.compile_child_array(self.conv1d, device, xp)   # [B, T, C] (no padding)
+        y = causal_conv(self, device, self.conv1d, x, cache, self.conv_kernel - 1)
         return F.activation(y, self.activation, device=device)
 
     def _project(self, device, data):

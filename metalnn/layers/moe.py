@@ -1,5 +1,6 @@
 """Sparse mixture of experts: `SwitchGLU` (many gated MLPs in stacked weights), `ClampedSwitchGLU`
-(gpt-oss's experts: biases and a clamped SwiGLU), `SwitchMLP` (ungated experts, Nemotron-H's), `SparseMoE` (router with top-k routing, experts,
+(gpt-oss's experts: biases and a clamped SwiGLU), `SwitchMLP` (ungated experts, Nemotron-H's), all three
+sharing `_ExpertBank`'s per-(token, expert) dispatch, `SparseMoE` (router with top-k routing, experts,
 optional shared expert) and `load_balancing_loss`.
 
 The experts run as grouped matrix products (``mx.gather_mm``): each token multiplies only the
@@ -24,7 +25,57 @@ from .mlp import SwiGLU
 SORT_FROM = 64
 
 
-class SwitchGLU(Layer):
+class _ExpertBank(Layer):
+    """What `SwitchGLU`, `ClampedSwitchGLU` and `SwitchMLP` share: the size checks and the per-(token, expert)
+    dispatch around their expert bodies.
+
+    ``compile(device, data, indices=idx)`` with ``data`` a `Data` of token rows ``[N, W]`` (dims
+    ``(W, 1, N)``) and ``idx`` ``[N, k]`` expert ids gives `Data` ``[N, k, W]`` (dims ``(W, k, N)``).
+    From `SORT_FROM` pairs on, the pairs are sorted by expert before the grouped products and put back
+    in order after them. Subclasses build their weights and implement `expert_outputs`.
+    """
+
+    fixed_axes = ("W",)
+
+    def __init__(self, num_experts: int, hidden_dims: int, *, init=None, dtype=None):
+        super().__init__()
+        if num_experts <= 0 or hidden_dims <= 0:
+            raise ValueError(f"{type(self).__name__}: num_experts and hidden_dims must be positive, got "
+                             f"{num_experts}, {hidden_dims}")
+        self.num_experts = int(num_experts)
+        self.hidden_dims = int(hidden_dims)
+        self._init = initializers.get(init, initializers.Normal(0.02))
+        self._dtype = dtype
+
+    def expert_outputs(self, device, xe, idx, sorted_indices: bool):
+        """The experts' outputs ``[..., 1, W]`` for rows ``xe`` (``[N*k, 1, W]`` against sorted ids ``idx``
+        ``[N*k]``, or ``[N, 1, 1, W]`` against ids ``[N, k]``), as ``F.gather_matmul`` pairs them."""
+        raise NotImplementedError
+
+    def forward(self, device, data, indices=None):
+        if indices is None:
+            raise TypeError(f"{self._describe()}: needs indices= (expert ids [N, k])")
+        x = data.array.reshape(-1, data.dims.W)
+        n, k = indices.shape
+        self.require(n == x.shape[0], f"indices for {x.shape[0]} rows", f"indices of shape {tuple(indices.shape)}")
+        idx = mx.stop_gradient(indices)
+        order = None
+        if idx.size >= SORT_FROM:  # group the (token, expert) pairs by expert: contiguous weight reads
+            flat = idx.flatten()
+            order = mx.argsort(flat)
+            xe = x[order // k][:, None, :]                               # [N*k, 1, W]
+            idx = flat[order]                                            # [N*k]
+        else:
+            xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
+        y = self.expert_outputs(device, xe, idx, order is not None)             # [..., 1, W]
+        if order is not None:
+            y = y[mx.argsort(order)].reshape(n, k, -1)
+        else:
+            y = y.reshape(n, k, -1)
+        return Data(y, MTLSize(x.shape[-1], k, n))
+
+
+class SwitchGLU(_ExpertBank):
     """``num_experts`` gated MLPs ``down_proj[e](act(gate[e] x) * up[e] x)`` applied per (token, expert) pair.
 
     ``compile(device, data, indices=idx)`` with ``data`` a `Data` of token rows ``[N, W]`` (dims
@@ -42,21 +93,12 @@ class SwitchGLU(Layer):
         dtype: parameter dtype.
     """
 
-    fixed_axes = ("W",)
-
     positional_hint = "{cls}({num_experts}, {hidden_dims}, activation=...)"
 
     def __init__(self, num_experts: int, hidden_dims: int, *, activation: str = "silu", init=None,
                  dtype=None):
-        super().__init__()
-        if num_experts <= 0 or hidden_dims <= 0:
-            raise ValueError(f"SwitchGLU: num_experts and hidden_dims must be positive, got {num_experts}, "
-                             f"{hidden_dims}")
-        self.num_experts = int(num_experts)
-        self.hidden_dims = int(hidden_dims)
+        super().__init__(num_experts, hidden_dims, init=init, dtype=dtype)
         self.activation = F.check_activation(activation)
-        self._init = initializers.get(init, initializers.Normal(0.02))
-        self._dtype = dtype
 
     def build(self, device, dims, dtype):
         dtype = self._dtype or float_dtype(dtype)
@@ -64,36 +106,17 @@ class SwitchGLU(Layer):
         self.gate_up_proj = self._init((e, 2 * h, w), w, 2 * h, device.next_key(), dtype)
         self.down_proj = self._init((e, w, h), h, w, device.next_key(), dtype)
 
-    def forward(self, device, data, indices=None):
-        if indices is None:
-            raise TypeError(f"{self._describe()}: needs indices= (expert ids [N, k])")
-        x = data.array.reshape(-1, data.dims.W)
-        n, k = indices.shape
-        self.require(n == x.shape[0], f"indices for {x.shape[0]} rows", f"indices of shape {tuple(indices.shape)}")
-        idx = mx.stop_gradient(indices)
-        order = None
-        if idx.size >= SORT_FROM:  # group the (token, expert) pairs by expert: contiguous weight reads
-            flat = idx.flatten()
-            order = mx.argsort(flat)
-            xe = x[order // k][:, None, :]                               # [N*k, 1, W]
-            idx = flat[order]                                            # [N*k]
-        else:
-            xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
-        h = F.gather_matmul(xe, self.gate_up_proj, idx, order is not None)
+    def expert_outputs(self, device, xe, idx, sorted_indices):
+        h = F.gather_matmul(xe, self.gate_up_proj, idx, sorted_indices)
         gate, up = h[..., :self.hidden_dims], h[..., self.hidden_dims:]
         act = F.activation(gate, self.activation, device=device)
-        y = F.gather_matmul(act * up, self.down_proj, idx, order is not None)                # [..., 1, W]
-        if order is not None:
-            y = y[mx.argsort(order)].reshape(n, k, -1)
-        else:
-            y = y.reshape(n, k, -1)
-        return Data(y, MTLSize(x.shape[-1], k, n))
+        return F.gather_matmul(act * up, self.down_proj, idx, sorted_indices)              # [..., 1, W]
 
     def _extra_repr(self):
         return f"num_experts={self.num_experts}, hidden_dims={self.hidden_dims}, activation={self.activation!r}"
 
 
-class ClampedSwitchGLU(Layer):
+class ClampedSwitchGLU(_ExpertBank):
     """gpt-oss's experts: ``num_experts`` biased gated MLPs with a clamped SwiGLU, per (token, expert) pair.
 
     For a token ``x`` and expert ``e``: ``h = x @ gate_up_proj[e] + gate_up_proj_bias[e]`` (``[2*hidden]``,
@@ -114,24 +137,15 @@ class ClampedSwitchGLU(Layer):
         dtype: parameter dtype.
     """
 
-    fixed_axes = ("W",)
-
     positional_hint = "{cls}({num_experts}, {hidden_dims}, alpha=..., limit=...)"
 
     def __init__(self, num_experts: int, hidden_dims: int, *, alpha: float = 1.702, limit: float = 7.0, init=None,
                  dtype=None):
-        super().__init__()
-        if num_experts <= 0 or hidden_dims <= 0:
-            raise ValueError(f"ClampedSwitchGLU: num_experts and hidden_dims must be positive, got {num_experts}, "
-                             f"{hidden_dims}")
+        super().__init__(num_experts, hidden_dims, init=init, dtype=dtype)
         if not limit > 0:
             raise ValueError(f"ClampedSwitchGLU: limit must be positive, got {limit!r}")
-        self.num_experts = int(num_experts)
-        self.hidden_dims = int(hidden_dims)
         self.alpha = float(alpha)
         self.limit = float(limit)
-        self._init = initializers.get(init, initializers.Normal(0.02))
-        self._dtype = dtype
 
     def build(self, device, dims, dtype):
         dtype = self._dtype or float_dtype(dtype)
@@ -141,41 +155,22 @@ class ClampedSwitchGLU(Layer):
         self.down_proj = self._init((e, h, w), h, w, device.next_key(), dtype)
         self.down_proj_bias = mx.zeros((e, w), dtype)
 
-    def forward(self, device, data, indices=None):
-        if indices is None:
-            raise TypeError(f"{self._describe()}: needs indices= (expert ids [N, k])")
-        x = data.array.reshape(-1, data.dims.W)
-        n, k = indices.shape
-        self.require(n == x.shape[0], f"indices for {x.shape[0]} rows", f"indices of shape {tuple(indices.shape)}")
-        idx = mx.stop_gradient(indices)
-        order = None
-        if idx.size >= SORT_FROM:  # group the (token, expert) pairs by expert: contiguous weight reads
-            flat = idx.flatten()
-            order = mx.argsort(flat)
-            xe = x[order // k][:, None, :]                               # [N*k, 1, W]
-            idx = flat[order]                                            # [N*k]
-        else:
-            xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
+    def expert_outputs(self, device, xe, idx, sorted_indices):
         # (gather_matmul multiplies by the transpose of [E, out, in] weights: hand it the transposed views)
-        h = F.gather_matmul(xe, self.gate_up_proj.swapaxes(-1, -2), idx, order is not None)
+        h = F.gather_matmul(xe, self.gate_up_proj.swapaxes(-1, -2), idx, sorted_indices)
         h = h + self.gate_up_proj_bias[idx][..., None, :]
         gate = mx.minimum(h[..., ::2], self.limit)
         up = mx.clip(h[..., 1::2], -self.limit, self.limit)
         act = (up + 1) * (gate * mx.sigmoid(self.alpha * gate))
-        y = F.gather_matmul(act, self.down_proj.swapaxes(-1, -2), idx, order is not None)      # [..., 1, W]
-        y = y + self.down_proj_bias[idx][..., None, :]
-        if order is not None:
-            y = y[mx.argsort(order)].reshape(n, k, -1)
-        else:
-            y = y.reshape(n, k, -1)
-        return Data(y, MTLSize(x.shape[-1], k, n))
+        y = F.gather_matmul(act, self.down_proj.swapaxes(-1, -2), idx, sorted_indices)      # [..., 1, W]
+        return y + self.down_proj_bias[idx][..., None, :]
 
     def _extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden_dims={self.hidden_dims}, alpha={self.alpha:g}, "
                 f"limit={self.limit:g}")
 
 
-class SwitchMLP(Layer):
+class SwitchMLP(_ExpertBank):
     """``num_experts`` plain (ungated) MLPs ``down_proj[e](act(up_proj[e] x))`` applied per (token,
     expert) pair (Nemotron-H's experts, squared ReLU).
 
@@ -191,20 +186,11 @@ class SwitchMLP(Layer):
         dtype: parameter dtype.
     """
 
-    fixed_axes = ("W",)
-
     positional_hint = "{cls}({num_experts}, {hidden_dims}, activation=...)"
 
     def __init__(self, num_experts: int, hidden_dims: int, *, activation: str = "relu2", init=None, dtype=None):
-        super().__init__()
-        if num_experts <= 0 or hidden_dims <= 0:
-            raise ValueError(f"SwitchMLP: num_experts and hidden_dims must be positive, got {num_experts}, "
-                             f"{hidden_dims}")
-        self.num_experts = int(num_experts)
-        self.hidden_dims = int(hidden_dims)
+        super().__init__(num_experts, hidden_dims, init=init, dtype=dtype)
         self.activation = F.check_activation(activation)
-        self._init = initializers.get(init, initializers.Normal(0.02))
-        self._dtype = dtype
 
     def build(self, device, dims, dtype):
         dtype = self._dtype or float_dtype(dtype)
@@ -212,28 +198,9 @@ class SwitchMLP(Layer):
         self.up_proj = self._init((e, h, w), w, h, device.next_key(), dtype)
         self.down_proj = self._init((e, w, h), h, w, device.next_key(), dtype)
 
-    def forward(self, device, data, indices=None):
-        if indices is None:
-            raise TypeError(f"{self._describe()}: needs indices= (expert ids [N, k])")
-        x = data.array.reshape(-1, data.dims.W)
-        n, k = indices.shape
-        self.require(n == x.shape[0], f"indices for {x.shape[0]} rows", f"indices of shape {tuple(indices.shape)}")
-        idx = mx.stop_gradient(indices)
-        order = None
-        if idx.size >= SORT_FROM:  # group the (token, expert) pairs by expert: contiguous weight reads
-            flat = idx.flatten()
-            order = mx.argsort(flat)
-            xe = x[order // k][:, None, :]                               # [N*k, 1, W]
-            idx = flat[order]                                            # [N*k]
-        else:
-            xe = x[:, None, None, :]                                     # [N, 1, 1, W] against idx [N, k]
-        h = F.activation(F.gather_matmul(xe, self.up_proj, idx, order is not None), self.activation, device=device)
-        y = F.gather_matmul(h, self.down_proj, idx, order is not None)                       # [..., 1, W]
-        if order is not None:
-            y = y[mx.argsort(order)].reshape(n, k, -1)
-        else:
-            y = y.reshape(n, k, -1)
-        return Data(y, MTLSize(x.shape[-1], k, n))
+    def expert_outputs(self, device, xe, idx, sorted_indices):
+        h = F.activation(F.gather_matmul(xe, self.up_proj, idx, sorted_indices), self.activation, device=device)
+        return F.gather_matmul(h, self.down_proj, idx, sorted_indices)                     # [..., 1, W]
 
     def _extra_repr(self):
         return f"num_experts={self.num_experts}, hidden_dims={self.hidden_dims}, activation={self.activation!r}"

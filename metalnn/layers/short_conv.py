@@ -20,11 +20,9 @@ dot product per channel.
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from ..data import Data, MTLSize
 from .base import Layer
-from .conv import Conv1D
+from .conv import Conv1D, causal_conv
 from .linear import Linear, float_dtype
 from .state_cache import StateCache
 
@@ -71,16 +69,9 @@ class ShortConv(Layer):
         bcx = self.compile_child(self.in_proj, device, data).array.reshape(b, t, 3 * c)
         gate_b, gate_c, x = bcx[..., :c], bcx[..., c:2 * c], bcx[..., 2 * c:]
         bx = gate_b * x
-        keep = self.kernel_size - 1
-        if cache is not None and cache.conv_state is not None:
-            prev = cache.conv_state.astype(bx.dtype)
-        else:
-            prev = mx.zeros((b, keep, c), bx.dtype)
-        xp = mx.concatenate([prev, bx], axis=1) if keep else bx           # [B, L - 1 + T, C]
+        y = causal_conv(self, device, self.conv, bx, cache, self.kernel_size - 1)   # [B, T, C]
         if cache is not None:
-            cache.conv_state = xp[:, xp.shape[1] - keep:]
             cache.offset += t
-        y = self.compile_child_array(self.conv, device, xp)               # [B, T, C] (no padding)
         y = gate_c * y
         return self.compile_child(self.out_proj, device, Data(y, MTLSize(c, t, b)))
 

@@ -21,16 +21,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from gguf_writing import add_tensor, finish, permute, ssm_hybrid_type
+
 
 #: transformers 5's in-memory expert names -> the checkpoint's (what the converter reads)
 LEGACY = {"block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
           "block_sparse_moe.experts.down_proj": "block_sparse_moe.output_linear.weight",
           "block_sparse_moe.router.weight": "block_sparse_moe.router.layer.weight"}
-
-
-def permute(w, n_head):
-    """llama.cpp's ``LlamaModel.permute`` of Q/K rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def converted_tensors(model):
@@ -87,16 +84,6 @@ def converted_tensors(model):
     return out
 
 
-def type_for(name, shape, qtype):
-    """The converter's type for a tensor in a ``--outtype`` ``qtype`` run: vectors, norms, the
-    router and the ``ssm_*`` tensors F32; other matrices ``qtype``, or F16 when their rows are no
-    multiple of the 32-value block."""
-    if qtype == Q.F32 or len(shape) < 2 or name.endswith(".ffn_gate_inp.weight") or \
-            any(f".{stem}" in name for stem in ("ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm")):
-        return Q.F32
-    return qtype if shape[-1] % 32 == 0 else Q.F16
-
-
 def write(path, model, *, qtype=Q.F32):
     """``model`` as a ``granitehybrid`` GGUF file (F32, or ``qtype`` for the quantizable matrices)."""
     c = model.config
@@ -126,25 +113,14 @@ def write(path, model, *, qtype=Q.F32):
     w.add_ssm_time_step_rank(c.mamba_n_heads)
     w.add_rope_scaling_finetuned(False)
     for name, a in converted_tensors(model).items():
-        kind = type_for(name, a.shape, qtype)
-        if kind == Q.F16:
-            w.add_tensor(name, a.astype(np.float16))
-        elif kind != Q.F32:
-            q = gguf.quants.quantize(a, kind)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
-        else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        add_tensor(w, name, a, ssm_hybrid_type(name, a.shape, qtype))
+    return finish(w, path)
 
 
 def q8_0_values(model):
     """``model`` with every matrix the Q8_0 file stores as Q8_0 (or F16) replaced by that round trip
     (a fixed point: the file and ``model`` then hold the same values)."""
-    kinds = {name: type_for(name, a.shape, Q.Q8_0) for name, a in converted_tensors(model).items()}
+    kinds = {name: ssm_hybrid_type(name, a.shape, Q.Q8_0) for name, a in converted_tensors(model).items()}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim < 2 or name.endswith("router.weight") or "conv1d" in name:

@@ -30,10 +30,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-
-def permute(w, n_head):
-    """llama.cpp's ``LlamaModel.permute`` of Q/K rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+from gguf_writing import add_tensor, finish, permute, ssm_hybrid_type
 
 
 def is_moe(model, hub_config):
@@ -79,16 +76,6 @@ def converted_tensors(model, hub_config=True):
     return out
 
 
-def type_for(name, shape, qtype):
-    """The converter's type for a tensor in a ``--outtype`` ``qtype`` run: vectors, norms, the router,
-    the correction bias and the ``ssm_*`` tensors F32; other matrices ``qtype``, or F16 when their rows
-    are no multiple of the 32-value block (the experts stacked: their last axis decides too)."""
-    if qtype == Q.F32 or len(shape) < 2 or name.endswith(".ffn_gate_inp.weight") or \
-            any(f".{stem}" in name for stem in ("ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm")):
-        return Q.F32
-    return qtype if shape[-1] % 32 == 0 else Q.F16
-
-
 def write(path, model, *, qtype=Q.F32, hub_config=True):
     """``model`` as a GGUF file of llama.cpp's converter (F32, or ``qtype`` for the quantizable
     matrices), in the ``hub_config`` variant (see the module docstring)."""
@@ -130,19 +117,8 @@ def write(path, model, *, qtype=Q.F32, hub_config=True):
         if c.moe_latent_size is not None:
             w.add_moe_latent_size(c.moe_latent_size)
     for name, a in converted_tensors(model, hub_config).items():
-        kind = type_for(name, a.shape, qtype)
-        if kind == Q.F16:
-            w.add_tensor(name, a.astype(np.float16))
-        elif kind != Q.F32:
-            q = gguf.quants.quantize(a, kind)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
-        else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        add_tensor(w, name, a, ssm_hybrid_type(name, a.shape, qtype))
+    return finish(w, path)
 
 
 def q8_0_values(model):

@@ -1,8 +1,11 @@
 """What the test GGUF writers (``gguf_*_files.py`` and the writers in test files) and their Q8_0
 comparisons share. gguf-py and NumPy only: nothing here uses metalnn.
 
-* `add_tensor` puts one tensor into a ``gguf.GGUFWriter``, float32 or quantized (as llama.cpp's
+* `add_tensor` puts one tensor into a ``gguf.GGUFWriter``, float32, float16 or quantized (as llama.cpp's
   converter stores it: ``raw_shape`` / ``raw_dtype`` of the packed blocks);
+* `permute` is the converter's ``LlamaModel.permute`` of Q/K rows (llama.cpp's rotary order);
+* `ssm_hybrid_type` is the type the converter gives a tensor of a Mamba2 hybrid (``granitehybrid``,
+  ``nemotron_h``) in a ``--outtype`` run;
 * `expert_projections` gives transformers 5's stacked experts the per-projection names gguf-py's tensor
   table maps to llama.cpp's ``ffn_{gate,up,down}_exps``;
 * `finish` writes the header, the metadata and the tensors and closes the file;
@@ -22,13 +25,30 @@ from gguf import GGMLQuantizationType as Q
 
 def add_tensor(writer, name, a, qtype=Q.F32):
     """Add ``a`` (float32, rows of whole blocks when quantized) to ``writer`` as tensor ``name``: as it is for
-    ``Q.F32``, else quantized to ``qtype``."""
+    ``Q.F32``, as float16 for ``Q.F16``, else quantized to ``qtype``."""
     a = np.ascontiguousarray(a)
     if qtype == Q.F32:
         writer.add_tensor(name, a)
+    elif qtype == Q.F16:
+        writer.add_tensor(name, a.astype(np.float16))
     else:
         q = gguf.quants.quantize(a, qtype)
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+
+def permute(w, n_head):
+    """llama.cpp's ``LlamaModel.permute`` of Q/K rows ``w`` ``[n_head * head_dim, ...]``."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def ssm_hybrid_type(name, shape, qtype):
+    """The converter's type for GGUF tensor ``name`` of ``shape`` of a Mamba2 hybrid in a ``--outtype``
+    ``qtype`` run: vectors, norms, the router and the ``ssm_*`` tensors F32; other matrices ``qtype``, or F16
+    when their rows are no multiple of the 32-value block (stacked experts: their last axis decides too)."""
+    if qtype == Q.F32 or len(shape) < 2 or name.endswith(".ffn_gate_inp.weight") or \
+            any(f".{stem}" in name for stem in ("ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm")):
+        return Q.F32
+    return qtype if shape[-1] % 32 == 0 else Q.F16
 
 
 def expert_projections(hf_name, a):

@@ -19,7 +19,9 @@ Tolerances (the defaults; a test passes others only with its own reason):
 * bfloat16 logits within 1.5x transformers' own bfloat16 error against float32 on the rounded weights
   (the margin is for a different summation order in bfloat16);
 * greedy tokens identical: the tiny random models' top logits are far enough apart that summation
-  order never changes an argmax in these runs.
+  order never changes an argmax in these runs;
+* ``KERNELS_TOL`` = 1e-4, absolute, for logits and gradients on the emulated Metal kernels against the
+  reference path (the kernels sum in another order).
 
 A test module's ``checkpoints`` fixture comes from `hf_models.saved_checkpoints`
 (``{name: (hf, model, folder)}``); the examples below take one of its entries.
@@ -35,17 +37,20 @@ A test module's ``checkpoints`` fixture comes from `hf_models.saved_checkpoints`
     assert_bfloat16_as_close_as_transformers(folder, VOCAB)
     assert_lora_trains(folder, VOCAB, PROJECTIONS, want_paths)  # LoRA on the family's projections
     assert_info_features(folder, "FooForCausalLM", ["q/k RMSNorm", ...])  # `metalnn info`
+    assert_emulated_kernels_match(model, VOCAB, monkeypatch, {"ssd_forward", "ssd_backward"})
 """
 
 import json
 import re
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
 import transformers
+from mlx.utils import tree_flatten
 
 import metalnn as mn
 from metalnn.llm.batching import BatchGenerator
@@ -59,6 +64,8 @@ LOGITS_TOL = 2e-4
 GRAD_TOL = 1e-3
 #: the load-balancing loss of MoE models: one float32 reduction on both sides
 AUX_TOL = 1e-5
+#: the emulated Metal kernels against the reference path: the kernels sum in another order
+KERNELS_TOL = 1e-4
 
 
 def _prefix(label):
@@ -258,3 +265,24 @@ def assert_info_features(folder, architecture, features):
     assert re.search(r"architecture\s+" + re.escape(architecture) + r"\b", result.stdout), result.stdout
     assert re.search(r"features\s+" + re.escape("; ".join(features)) + "\n", result.stdout), result.stdout
     assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == features
+
+
+def assert_emulated_kernels_match(model, vocab, monkeypatch, kernels, shape=(1, 7), seed=7, *, atol=KERNELS_TOL):
+    """The whole model on the emulated Metal kernels gives the reference path's logits and gradient of
+    every parameter (next-token loss) on ``tokens(vocab, shape, seed)``, within ``atol`` (absolute),
+    and the ``kernels`` named (a set of kernel names, e.g. ``{"ssd_forward", "ssd_backward"}``) ran.
+    ``monkeypatch`` is pytest's (it records the launches)."""
+    from kernel_cases import spy_launches
+
+    toks = mx.array(tokens(vocab, shape, seed=seed))
+    ref_dev, emu_dev = mn.Device(kernels="reference"), mn.Device(kernels="emulate")
+    launches = spy_launches(monkeypatch)
+    np.testing.assert_allclose(np.array(model(toks, device=emu_dev)), np.array(model(toks, device=ref_dev)),
+                               atol=atol)
+    g_ref = dict(tree_flatten(nn.value_and_grad(model, lambda t: lm_loss(model, t, ref_dev))(toks)[1]))
+    g_emu = dict(tree_flatten(nn.value_and_grad(model, lambda t: lm_loss(model, t, emu_dev))(toks)[1]))
+    ran = launches.names()
+    assert set(kernels) <= ran, ran
+    assert g_ref.keys() == g_emu.keys()
+    for k in g_ref:
+        np.testing.assert_allclose(np.array(g_emu[k]), np.array(g_ref[k]), atol=atol, err_msg=k)

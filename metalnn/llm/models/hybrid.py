@@ -1,8 +1,9 @@
 """Shared pieces of the hybrid Gated DeltaNet models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): which layers are
 linear attention, the two token mixers (`hybrid_mixer` picks a layer's), the per-layer caches, the checks
-of the linear-attention sizes, the text model's tensor names in a multimodal Qwen3.5 folder, and the
-model-class mixins `HybridLayers` (``layer_kinds``, ``make_cache``) and `Qwen35Text` (a Qwen3.5 text
-model read from a text-only or a multimodal folder).
+of the linear-attention sizes and the derived `ModelArgs` fields (`derive_hybrid_layout`), the text
+model's tensor names in a multimodal Qwen3.5 folder, and the model-class mixins `HybridLayers`
+(``layer_kinds``, ``make_cache``) and `Qwen35Text` (a Qwen3.5 text model read from a text-only or a
+multimodal folder).
 
 Both architectures use zero-centred RMSNorms (gain ``1 + weight``, `NORM_OFFSET`) everywhere except
 the gated norm inside `GatedDeltaNet`.
@@ -16,6 +17,7 @@ from ...layers.base import Layer
 from ...layers.gated_deltanet import GatedDeltaCache, GatedDeltaNet
 from .base import refuse, text_config
 from .decoder import check_layer_types
+from .rope import rope_options
 
 HYBRID = ("linear_attention", "full_attention")
 #: where a multimodal Qwen3.5 folder (``...ForConditionalGeneration``) keeps the text model's tensors
@@ -49,6 +51,16 @@ def check_linear_sizes(args, kinds: list):
     nk, nv = args.linear_num_key_heads, args.linear_num_value_heads
     if nk <= 0 or nv <= 0 or nv % nk:
         refuse("linear_num_value_heads", nv, f"a positive multiple of linear_num_key_heads = {nk}")
+
+
+def derive_hybrid_layout(args):
+    """Fill in a Qwen3.5 / Qwen3-Next ``ModelArgs``' derived fields: ``kinds`` (`hybrid_layer_types`, the
+    linear-attention sizes checked by `check_linear_sizes`) and ``rope`` (`SelfAttention`'s RoPE keywords
+    from ``head_dim``, ``rope_theta``, ``rope_scaling``, ``rope_parameters``, ``partial_rotary_factor``)."""
+    args.kinds = hybrid_layer_types(args.num_hidden_layers, args.layer_types, args.full_attention_interval)
+    check_linear_sizes(args, args.kinds)
+    args.rope = rope_options(args.head_dim, rope_theta=args.rope_theta, rope_scaling=args.rope_scaling,
+                             rope_parameters=args.rope_parameters, partial_rotary_factor=args.partial_rotary_factor)
 
 
 def gated_attention(*, num_heads: int, num_kv_heads: int, head_dim: int, rope: dict, bias: bool, eps: float,

@@ -29,9 +29,8 @@ from ...layers.transformer import DecoderBlock
 from ..gguf.converters.qwen35 import Qwen35Converter
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import build_decoder
-from .hybrid import NORM_OFFSET, Qwen35Text, check_linear_sizes, hybrid_layer_types, hybrid_mixer
+from .hybrid import NORM_OFFSET, Qwen35Text, derive_hybrid_layout, hybrid_mixer
 from .registry import register
-from .rope import rope_options
 
 
 @dataclass
@@ -80,10 +79,7 @@ class ModelArgs(BaseModelArgs):
         if self.hidden_act not in ACTIVATIONS:
             refuse("hidden_act", self.hidden_act, ", ".join(ACTIVATIONS))
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.kinds = hybrid_layer_types(self.num_hidden_layers, self.layer_types, self.full_attention_interval)
-        check_linear_sizes(self, self.kinds)
-        self.rope = rope_options(self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-                                 rope_parameters=self.rope_parameters, partial_rotary_factor=self.partial_rotary_factor)
+        derive_hybrid_layout(self)
 
 
 def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:

@@ -43,9 +43,8 @@ from ..gguf.converters.qwen35moe import Qwen35MoeConverter
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import build_decoder
 from .experts import RoutedExperts
-from .hybrid import NORM_OFFSET, Qwen35Text, check_linear_sizes, hybrid_layer_types, hybrid_mixer
+from .hybrid import NORM_OFFSET, Qwen35Text, derive_hybrid_layout, hybrid_mixer
 from .registry import register
-from .rope import rope_options
 
 
 @dataclass
@@ -107,10 +106,7 @@ class ModelArgs(BaseModelArgs):
         for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
             if getattr(self, key) <= 0:
                 refuse(key, getattr(self, key), "a positive integer")
-        self.kinds = hybrid_layer_types(self.num_hidden_layers, self.layer_types, self.full_attention_interval)
-        check_linear_sizes(self, self.kinds)
-        self.rope = rope_options(self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-                                 rope_parameters=self.rope_parameters, partial_rotary_factor=self.partial_rotary_factor)
+        derive_hybrid_layout(self)
 
 
 def decoder_layer(args: ModelArgs, layer: int, init) -> Layer:

@@ -36,9 +36,8 @@ from ..gguf.converters.qwen3next import Qwen3NextConverter
 from .base import BaseModelArgs, CausalLM, refuse
 from .decoder import build_decoder
 from .experts import RoutedExperts
-from .hybrid import NORM_OFFSET, HybridLayers, check_linear_sizes, hybrid_layer_types, hybrid_mixer
+from .hybrid import NORM_OFFSET, HybridLayers, derive_hybrid_layout, hybrid_mixer
 from .registry import register
-from .rope import rope_options
 
 
 @dataclass
@@ -102,10 +101,7 @@ class ModelArgs(BaseModelArgs):
             refuse("decoder_sparse_step", self.decoder_sparse_step, "a positive integer")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.mlp_only_layers = list(self.mlp_only_layers or [])
-        self.kinds = hybrid_layer_types(self.num_hidden_layers, self.layer_types, self.full_attention_interval)
-        check_linear_sizes(self, self.kinds)
-        self.rope = rope_options(self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-                                 rope_parameters=self.rope_parameters, partial_rotary_factor=self.partial_rotary_factor)
+        derive_hybrid_layout(self)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s feed-forward block is a `SparseMoE`."""

@@ -30,11 +30,9 @@ matrices, a fixed point) and MXFP4 experts (the released checkpoints' form). GGU
 
 import json
 import os
-import re
 
 import gguf
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
@@ -45,19 +43,17 @@ from safetensors.torch import save_file
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.layers.moe import ClampedSwitchGLU, SparseMoE
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 from metalnn.llm.models.rope import rope_options, yarn_rope_parameters
 
 import gguf_gpt_oss_files
-from commands import metalnn_cmd
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, max_error, mn_loss_and_grads, relative_error,
-                       tokens)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
+                          assert_logits_match, assert_loss_and_gradients_match, assert_lora_trains,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_attention_heads=4, head_dim=8,
             initializer_range=0.2, max_position_embeddings=256)
@@ -90,30 +86,22 @@ def gpt_oss(seed=0, **config):
                           seed)
 
 
-def hf_names(grads):
-    """metalnn's gradient names as transformers' (the router is the `SparseMoE`'s ``gate``)."""
-    return {k.replace(".mlp.gate.", ".mlp.router."): v for k, v in grads.items()}
+def metalnn_name(name):
+    """metalnn's name of a transformers parameter (the router is the `SparseMoE`'s ``gate``)."""
+    return name.replace(".mlp.router.", ".mlp.gate.")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name, kw in CONFIGS.items():
-        hf = gpt_oss(**kw)
-        folder = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(folder)
-        out[name] = (hf, load_pretrained(folder), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: gpt_oss(**kw) for name, kw in CONFIGS.items()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name, checkpoints):
     hf, model, _ = checkpoints[name]
     assert type(model) is mn.models.GptOssForCausalLM
-    toks = tokens(VOCAB, (2, 19), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
+    assert_logits_match(hf, model, VOCAB, shape=(2, 19), label=name)
 
 
 def test_layers_carry_the_configs_plan(checkpoints):
@@ -140,11 +128,7 @@ def test_layers_carry_the_configs_plan(checkpoints):
 def test_greedy_generation_matches_transformers(name, checkpoints):
     """Through the caches, prompts longer than the window, batch 1 and 3."""
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 7), seed=2)
-    want = hf_greedy(hf, prompt, 24)
-    assert len(set(want[0].tolist())) > 3  # the random model does not just repeat one token
-    assert mn.generate(model, prompt[0].tolist(), 24) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 24)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=24, shape=(3, 7), label=name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -152,37 +136,16 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
     tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 11), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    got = hf_names(got)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    assert set(got) == set(ref)
-    assert {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.router.bias", "model.layers.0.mlp.experts.gate_up_proj",
-            "model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias"} <= set(got)
-    for k in ref:
-        assert np.abs(ref[k]).max() > 0, k
-        err = relative_error(got[k], ref[k])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    must = ["model.layers.0.self_attn.sinks", "model.layers.0.mlp.gate.bias", "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias"]
+    assert_loss_and_gradients_match(hf, model, VOCAB, shape=(2, 11), must_include=must, nonzero=True,
+                                    rename=metalnn_name, label=name)
 
 
 def test_aux_loss_matches_transformers(checkpoints):
@@ -202,43 +165,25 @@ def test_aux_loss_matches_transformers(checkpoints):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["GptOssForCausalLM"] and cfg["model_type"] == "gpt_oss"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
+    back = assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="GptOssForCausalLM",
+                                                     model_type="gpt_oss", lengths=(15,), seed=4, reload=True)
     assert back.config.layer_types == hf.config.layer_types
     assert back.config.rope_parameters == hf.config.rope_parameters
     toks = tokens(VOCAB, (1, 15), seed=4)
     assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < 1e-6  # the same weights, bit for bit in float32
-    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
 
 
 def test_lora_on_the_attention_projections_trains(checkpoints):
     """PEFT's targets for gpt-oss: the attention projections (the router and experts are no linear layers)."""
     _, _, folder = checkpoints["yarn"]
-    mx.random.seed(0)
-    model = load_pretrained(folder)
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=ATTENTION)
-    assert sorted(paths) == sorted(f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in ATTENTION)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    assert_lora_trains(folder, VOCAB, ATTENTION, [f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in ATTENTION])
 
 
 def test_info_names_the_features(checkpoints):
-    _, _, folder = checkpoints["yarn"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+GptOssForCausalLM", result.stdout)
-    want = ["attention sinks", "q/k/v/o biases", "mixture of experts: 2 of 4 experts per token (renormalised)",
-            "clamped SwiGLU experts with biases (alpha 1.702, limit 1.5)", "sliding window 4 on layers 0, 2",
-            "YaRN rope (attention factor 1.139)"]
-    assert re.search(r"features\s+" + re.escape("; ".join(want)) + "\n", result.stdout), result.stdout
-    assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == want
+    assert_info_features(checkpoints["yarn"][2], "GptOssForCausalLM", [
+        "attention sinks", "q/k/v/o biases", "mixture of experts: 2 of 4 experts per token (renormalised)",
+        "clamped SwiGLU experts with biases (alpha 1.702, limit 1.5)", "sliding window 4 on layers 0, 2",
+        "YaRN rope (attention factor 1.139)"])
 
 
 def test_bad_configs_name_the_field():

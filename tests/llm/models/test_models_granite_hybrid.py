@@ -20,30 +20,25 @@ greedy tokens identical for 22 tokens, batch 1 and 3 and through `BatchGenerator
 
 import json
 import os
-import re
 
 import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch
 import transformers
-from mlx.utils import tree_flatten
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
-from metalnn.llm.batching import BatchGenerator
 from metalnn.llm.models import load_pretrained
 
-from commands import metalnn_cmd
-from hf_models import (hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads,
-                       relative_error, tokens)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_emulated_kernels_match,
+                          assert_greedy_matches, assert_info_features, assert_logits_match,
+                          assert_loss_and_gradients_match, assert_lora_trains,
+                          assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-LOGITS_TOL = 2e-4
-GRAD_TOL = 1e-3
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, initializer_range=0.2,
             intermediate_size=8, shared_intermediate_size=12, mamba_chunk_size=8, mamba_expand=2,
@@ -91,13 +86,7 @@ def build(name):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name in CONFIGS:
-        hf = build(name)
-        folder = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(folder)
-        out[name] = (hf, small_chunks(load_pretrained(folder)), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: build(name) for name in CONFIGS}, prepare=small_chunks)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -107,10 +96,9 @@ def test_logits_match_transformers(name, checkpoints):
     assert [b.mixer_name for b in model.model.layers] == MIXERS[name]
     assert all(("block_sparse_moe" in b) == (name == "moe_rope") for b in model.model.layers)
     toks = tokens(VOCAB, (2, 20), seed=1)
-    err = max_error(model(mx.array(toks)), hf_logits(hf, toks))
-    assert err < LOGITS_TOL, f"{name}: logits differ by {err:.3g}"
-    short = toks[:, :5]  # below 16 tokens the recurrent form runs
-    assert max_error(model(mx.array(short)), hf_logits(hf, short)) < LOGITS_TOL
+    assert_logits_match(hf, model, VOCAB, toks=toks, label=name)
+    # below 16 tokens the recurrent form runs
+    assert_logits_match(hf, model, VOCAB, toks=toks[:, :5], label=f"{name}, 5 tokens")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -123,11 +111,7 @@ def test_greedy_generation_matches_transformers(name, checkpoints, monkeypatch):
     real = transformer.F.decoder_block_step
     monkeypatch.setattr(transformer.F, "decoder_block_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     hf, model, _ = checkpoints[name]
-    prompt = tokens(VOCAB, (3, 18), seed=2)
-    want = hf_greedy(hf, prompt, 22)
-    assert len(set(want[0].tolist())) > 3
-    assert mn.generate(model, prompt[0].tolist(), 22) == want[0].tolist()
-    np.testing.assert_array_equal(np.array(mn.generate(model, mx.array(prompt), 22)), want)
+    assert_greedy_matches(hf, model, VOCAB, n=22, shape=(3, 18), label=name)
     assert not calls
     kinds = ["Mamba2Cache" if m == "mamba" else "KVCache" for m in MIXERS[name]]
     assert [type(c).__name__ for c in model.make_cache()] == kinds
@@ -138,41 +122,19 @@ def test_batched_rows_get_their_lone_greedy_tokens(name, checkpoints):
     """`BatchGenerator` (chunked prefill, left-aligned rows at their own positions): each row's
     tokens are transformers' greedy continuation of its prompt alone; rows join while others decode."""
     hf, model, _ = checkpoints[name]
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
-    limits = [20, 9, 14, 21]
-    gen = BatchGenerator(model, prefill_chunk=4)
-    seqs = [gen.add(prompts[0], limits[0]), gen.add(prompts[1], limits[1])]
-    steps = 0
-    while gen:
-        gen.step()
-        steps += 1
-        if steps == 2:
-            seqs += [gen.add(p, n) for p, n in zip(prompts[2:], limits[2:])]
-        assert steps < 200
-    for seq, p, n in zip(seqs, prompts, limits):
-        assert seq.tokens == hf_greedy(hf, np.array([p]), n)[0].tolist()
+    assert_batched_rows_match(hf, model, VOCAB)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_and_gradients_match_torch(name, checkpoints):
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 19), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    renamed = {model.rename_weight(k): k for k in ref}
-    assert set(got) == set(renamed)
     i = MIXERS[name].index("mamba")
     must = [f"model.layers.{i}.mamba.{p}" for p in ("A_log", "dt_bias", "D", "conv1d.weight", "in_proj.weight",
                                                     "norm.weight")]
     if name == "moe_rope":
         must += ["model.layers.0.block_sparse_moe.experts.gate_up_proj", "model.layers.1.block_sparse_moe.gate.weight"]
-    assert set(must) <= set(got)
-    for k, ref_name in renamed.items():
-        assert np.abs(ref[ref_name]).max() > 0, ref_name
-        err = relative_error(got[k], ref[ref_name])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    assert_loss_and_gradients_match(hf, model, VOCAB, shape=(2, 19), must_include=must, nonzero=True,
+                                    rename=model.rename_weight, label=name)
 
 
 def test_aux_loss_matches_transformers(checkpoints):
@@ -191,64 +153,31 @@ def test_aux_loss_matches_transformers(checkpoints):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_pretrained_loads_in_transformers(name, checkpoints, tmp_path):
     hf, model, _ = checkpoints[name]
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["GraniteMoeHybridForCausalLM"] and cfg["model_type"] == "granitemoehybrid"
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(hf)
-    toks = tokens(VOCAB, (1, 12), seed=5)
-    assert max_error(hf_logits(back, toks), hf_logits(hf, toks)) < LOGITS_TOL
-    assert max_error(load_pretrained(tmp_path)(mx.array(toks)), hf_logits(hf, toks)) < LOGITS_TOL
+    assert_saved_folder_loads_in_transformers(hf, model, tmp_path, VOCAB, architecture="GraniteMoeHybridForCausalLM",
+                                              model_type="granitemoehybrid", seed=5, reload=True)
 
 
 def test_emulated_kernels_give_the_reference_logits_and_gradients(checkpoints, monkeypatch):
     """The whole model on the emulated Metal kernels (SSD scan forward and backward, RMSNorm, RoPE,
     attention) equals the reference path."""
-    from kernel_cases import spy_launches
-
     _, model, _ = checkpoints["moe_rope"]
-    toks = mx.array(tokens(VOCAB, (1, 7), seed=7))
-    ref_dev, emu_dev = mn.Device(kernels="reference"), mn.Device(kernels="emulate")
-    launches = spy_launches(monkeypatch)
-    np.testing.assert_allclose(np.array(model(toks, device=emu_dev)), np.array(model(toks, device=ref_dev)),
-                               atol=1e-4)
-    g_ref = dict(tree_flatten(nn.value_and_grad(model, lambda t: lm_loss(model, t, ref_dev))(toks)[1]))
-    g_emu = dict(tree_flatten(nn.value_and_grad(model, lambda t: lm_loss(model, t, emu_dev))(toks)[1]))
-    ran = launches.names()
-    assert {"ssd_forward", "ssd_backward"} <= ran, ran
-    assert g_ref.keys() == g_emu.keys()
-    for k in g_ref:
-        np.testing.assert_allclose(np.array(g_emu[k]), np.array(g_ref[k]), atol=1e-4, err_msg=k)
+    assert_emulated_kernels_match(model, VOCAB, monkeypatch, {"ssd_forward", "ssd_backward"})
 
 
 def test_lora_on_every_projection_trains(checkpoints):
     _, _, folder = checkpoints["moe_rope"]
-    mx.random.seed(0)
-    model = small_chunks(load_pretrained(folder))
-    paths = mn.lora.apply(model, rank=4, alpha=8.0, targets=PROJECTIONS)
     want = [f"model.layers.1.self_attn.{p}" for p in PROJECTIONS[:4]]
     want += [f"model.layers.{i}.mamba.{p}" for i in (0, 2) for p in ("in_proj", "out_proj")]
     want += [f"model.layers.{i}.shared_mlp.{p}" for i in range(3) for p in ("input_linear", "output_linear")]
-    assert sorted(paths) == sorted(want)
-    batch = mx.array(tokens(VOCAB, (4, 17), seed=7))
-    loss = lambda m, b, d: mn.losses.cross_entropy(m(b[:, :-1], device=d), b[:, 1:])  # noqa: E731
-    trainer = mn.Trainer(model, optim.Adam(2e-2), loss, mn.Device(seed=0), progress=False)
-    trainer.fit(lambda step: batch, 4)
-    losses = trainer.history["loss"]
-    assert losses[-1] < losses[0] - 0.01, losses
+    assert_lora_trains(folder, VOCAB, PROJECTIONS, want, prepare=small_chunks)
 
 
 def test_info_names_the_hybrid_layers(checkpoints):
-    _, _, folder = checkpoints["moe_rope"]
-    result = metalnn_cmd("info", folder)
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"architecture\s+GraniteMoeHybridForCausalLM", result.stdout)
-    want = ["hybrid: 2 Mamba2 (state-space) layers, 1 attention layers",
-            "mixture of experts: 2 of 4 experts per token, plus a shared MLP", "rotary embeddings",
-            "multipliers: embedding_multiplier 1.7, attention_multiplier 0.3, residual_multiplier 0.6, "
-            "logits_scaling 2.5"]
-    assert re.search(r"features\s+" + re.escape("; ".join(want)) + "\n", result.stdout), result.stdout
-    assert json.loads(metalnn_cmd("info", folder, "--json").stdout)["features"] == want
+    assert_info_features(checkpoints["moe_rope"][2], "GraniteMoeHybridForCausalLM", [
+        "hybrid: 2 Mamba2 (state-space) layers, 1 attention layers",
+        "mixture of experts: 2 of 4 experts per token, plus a shared MLP", "rotary embeddings",
+        "multipliers: embedding_multiplier 1.7, attention_multiplier 0.3, residual_multiplier 0.6, "
+        "logits_scaling 2.5"])
 
 
 def test_config_forms_and_bad_configs(checkpoints):

@@ -16,12 +16,10 @@ import json
 import os
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
 import transformers
-from mlx.utils import tree_flatten
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError, WeightLoadError
@@ -30,8 +28,8 @@ from metalnn.llm.models import load_pretrained
 from memory import peak_above_active
 from hf_models import hf_logits, hf_model, lm_loss, max_error, saved_checkpoints, small_chunks, tokens
 from model_checks import (LOGITS_TOL, assert_aux_loss_matches, assert_bfloat16_as_close_as_transformers,
-                          assert_greedy_matches, assert_logits_match, assert_loss_and_gradients_match,
-                          assert_saved_folder_loads_in_transformers)
+                          assert_emulated_kernels_match, assert_greedy_matches, assert_logits_match,
+                          assert_loss_and_gradients_match, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -139,21 +137,8 @@ def test_text_model_of_a_multimodal_qwen3_5_folder(tmp_path):
 def test_emulated_kernels_give_the_reference_logits_and_gradients(checkpoints, monkeypatch):
     """The whole Qwen3-Next model on the emulated Metal kernels (gated delta rule forward and
     backward, RMSNorm, RoPE, attention, conv) equals the reference path."""
-    from kernel_cases import spy_launches
-
     _, model, _ = checkpoints["qwen3_next"]
-    toks = mx.array(tokens(VOCAB, (1, 7), seed=7))
-    ref_dev, emu_dev = mn.Device(kernels="reference"), mn.Device(kernels="emulate")
-    launches = spy_launches(monkeypatch)
-    np.testing.assert_allclose(np.array(model(toks, device=emu_dev)), np.array(model(toks, device=ref_dev)),
-                               atol=1e-4)
-    g_ref = dict(tree_flatten(nn.value_and_grad(model, lambda t: lm_loss(model, t, ref_dev))(toks)[1]))
-    g_emu = dict(tree_flatten(nn.value_and_grad(model, lambda t: lm_loss(model, t, emu_dev))(toks)[1]))
-    ran = launches.names()
-    assert {"gated_delta_forward", "gated_delta_backward"} <= ran, ran
-    assert g_ref.keys() == g_emu.keys()
-    for k in g_ref:
-        np.testing.assert_allclose(np.array(g_emu[k]), np.array(g_ref[k]), atol=1e-4, err_msg=k)
+    assert_emulated_kernels_match(model, VOCAB, monkeypatch, {"gated_delta_forward", "gated_delta_backward"})
 
 
 def test_training_steps_lower_the_loss(checkpoints):

@@ -23,22 +23,20 @@ import json
 import os
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
 import transformers
-from mlx.utils import tree_flatten
 
 import metalnn as mn
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.models import load_pretrained
 from metalnn.llm.models.nemotron_h import checkpoint_to_model
 
-from hf_models import hf_greedy, hf_logits, hf_loss_and_grads, hf_model, lm_loss, max_error, mn_loss_and_grads, relative_error, \
-    tokens
-from model_checks import (GRAD_TOL, LOGITS_TOL, assert_batched_rows_match, assert_greedy_matches, assert_info_features,
-                          assert_logits_match, assert_lora_trains, assert_saved_folder_loads_in_transformers)
+from hf_models import hf_greedy, hf_logits, hf_model, max_error, saved_checkpoints, tokens
+from model_checks import (LOGITS_TOL, assert_batched_rows_match, assert_emulated_kernels_match, assert_greedy_matches,
+                          assert_info_features, assert_logits_match, assert_loss_and_gradients_match,
+                          assert_lora_trains, assert_saved_folder_loads_in_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -95,13 +93,7 @@ def build(name, **changes):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{config name: (transformers model, metalnn model, folder)}."""
-    out = {}
-    for name in CONFIGS:
-        hf = build(name)
-        folder = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(folder)
-        out[name] = (hf, small_chunks(load_pretrained(folder)), folder)
-    return out
+    return saved_checkpoints(tmp_path_factory, {name: build(name) for name in CONFIGS}, prepare=small_chunks)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -161,16 +153,7 @@ def test_loss_and_gradients_match_torch(name, checkpoints):
     """Every parameter's gradient against torch autograd; the routers' correction biases steer the
     choice only, so theirs is zero (a buffer in transformers, without a gradient)."""
     hf, model, _ = checkpoints[name]
-    toks = tokens(VOCAB, (2, 19), seed=3)
-    ref_loss, ref = hf_loss_and_grads(hf, toks)
-    loss, got = mn_loss_and_grads(model, toks)
-    assert abs(loss - ref_loss) < GRAD_TOL * abs(ref_loss)
-    renamed = {checkpoint_to_model(k): k for k in ref}
-    biases = {k for k in got if k.endswith(".gate.e_score_correction_bias")}
-    assert biases == {f"model.layers.{i}.mixer.gate.e_score_correction_bias" for i, k in enumerate(KINDS[name])
-                      if k == "moe"}
-    assert all(not np.any(got[k]) for k in biases)
-    assert set(got) - biases == set(renamed)
+    biases = {f"model.layers.{i}.mixer.gate.e_score_correction_bias" for i, k in enumerate(KINDS[name]) if k == "moe"}
     i = KINDS[name].index("mamba")
     must = [f"model.layers.{i}.mixer.{p}" for p in ("A_log", "dt_bias", "D", "conv1d.weight", "in_proj.weight",
                                                     "norm.weight")] + ["model.embed_tokens.weight", "model.norm.weight"]
@@ -180,11 +163,9 @@ def test_loss_and_gradients_match_torch(name, checkpoints):
                                                        "shared_experts.up_proj.weight")]
     else:
         must += ["model.layers.1.mixer.in_proj.bias", "model.layers.0.mixer.up_proj.bias"]
-    assert set(must) <= set(got)
-    for k, ref_name in renamed.items():
-        assert np.abs(ref[ref_name]).max() > 0, ref_name
-        err = relative_error(got[k], ref[ref_name])
-        assert err < GRAD_TOL, f"{name}: gradient of {k} differs by {err:.3g} of its largest entry"
+    _, got, _, _ = assert_loss_and_gradients_match(hf, model, VOCAB, shape=(2, 19), must_include=must, nonzero=True,
+                                                   rename=checkpoint_to_model, metalnn_only=biases, label=name)
+    assert {k for k in got if k.endswith(".gate.e_score_correction_bias")} == biases
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -210,21 +191,8 @@ def test_in_memory_names_load(checkpoints):
 def test_emulated_kernels_give_the_reference_logits_and_gradients(checkpoints, monkeypatch):
     """The whole model on the emulated Metal kernels (SSD scan forward and backward, RMSNorm,
     attention) equals the reference path."""
-    from kernel_cases import spy_launches
-
     _, model, _ = checkpoints["moe_latent"]
-    toks = mx.array(tokens(VOCAB, (1, 7), seed=7))
-    ref_dev, emu_dev = mn.Device(kernels="reference"), mn.Device(kernels="emulate")
-    launches = spy_launches(monkeypatch)
-    np.testing.assert_allclose(np.array(model(toks, device=emu_dev)), np.array(model(toks, device=ref_dev)),
-                               atol=1e-4)
-    g_ref = dict(tree_flatten(nn.value_and_grad(model, lambda t: lm_loss(model, t, ref_dev))(toks)[1]))
-    g_emu = dict(tree_flatten(nn.value_and_grad(model, lambda t: lm_loss(model, t, emu_dev))(toks)[1]))
-    ran = launches.names()
-    assert {"ssd_forward", "ssd_backward"} <= ran, ran
-    assert g_ref.keys() == g_emu.keys()
-    for k in g_ref:
-        np.testing.assert_allclose(np.array(g_emu[k]), np.array(g_ref[k]), atol=1e-4, err_msg=k)
+    assert_emulated_kernels_match(model, VOCAB, monkeypatch, {"ssd_forward", "ssd_backward"})
 
 
 def test_lora_on_every_projection_trains(checkpoints):
