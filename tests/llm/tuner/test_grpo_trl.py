@@ -31,7 +31,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from metalnn.llm.models import load_pretrained, load_tokenizer
 from metalnn.llm.tuner.grpo import GRPOConfig, GRPOTrainer, Rollout, prompt_ids
 
-trl = pytest.importorskip("trl")  # a test oracle in the dev dependencies (pyproject's [test] extra)
+import trl  # noqa: E402  (the oracle; in the [test] extra: a missing install fails, never skips)
 
 transformers.logging.set_verbosity_error()
 TOL = 1e-3
