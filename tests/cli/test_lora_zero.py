@@ -7,23 +7,14 @@ to the order of float32 additions (1e-5 on adapters of order 0.01 to 0.1 after 3
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from app_models import save_tiny_model
 from commands import metalnn_cmd
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ring_launch import launch_ranks
 
 
 def test_lora_zero_under_mlx_launch_equals_one_process(tmp_path):
@@ -36,11 +27,9 @@ def test_lora_zero_under_mlx_launch_equals_one_process(tmp_path):
     one = metalnn_cmd(*args, "--out", tmp_path / "one")
     assert one.returncode == 0, one.stderr
 
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    cmd = [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
-           sys.executable, "-m", "metalnn", *map(str, args), "--out", str(tmp_path / "two"), "--zero", "2"]
-    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert two.returncode == 0, two.stdout + two.stderr
+    two = launch_ranks(2, [sys.executable, "-m", "metalnn", *args, "--out", tmp_path / "two", "--zero", "2"],
+                       timeout=300)
+    assert two.ok, two.text
     assert two.stdout.count("LoRA: ") == 1 and two.stdout.count("wrote ") == 1, two.stdout  # rank 0 alone
     assert two.stdout.count("step 3/3: train loss") == 1, two.stdout
 
@@ -57,10 +46,7 @@ def test_batch_size_must_split_over_the_processes(tmp_path):
     tiny = save_tiny_model(tmp_path / "tiny")
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"text": "red blue green"}) + "\n")
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    cmd = [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
-           sys.executable, "-m", "metalnn", "lora", str(tiny), "--train", str(data), "--out", str(tmp_path / "a"),
-           "--batch-size", "3", "--zero", "1"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert "--batch-size 3 does not split evenly over 2 processes" in r.stdout + r.stderr, r.stdout + r.stderr
+    r = launch_ranks(2, [sys.executable, "-m", "metalnn", "lora", tiny, "--train", data, "--out", tmp_path / "a",
+                         "--batch-size", "3", "--zero", "1"], timeout=300)
+    assert not r.ok and "--batch-size 3 does not split evenly over 2 processes" in r.text, r.text
     assert not (tmp_path / "a").exists()

@@ -7,8 +7,6 @@ slow"`` leaves it out; CI and the README's test command run it).
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import metalnn as mn
 from metalnn.llm.tuner import lora
 from metalnn.llm.bundled import smollm2_path
 from bundled_model import needs_smollm2, smollm2_file  # noqa: F401  (fixtures)
+from ring_launch import launch_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -167,16 +166,10 @@ def test_finetune_chat_example_runs_data_parallel_under_mlx_launch(tmp_path):
     """The README's ``mlx.launch -n 2 --backend ring`` line: two processes, each on half of every
     batch; rank 0 reports and saves the adapters."""
     smollm2_file()
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--", sys.executable,
-           str(EXAMPLES / "finetune_chat.py"), *FINETUNE_SHORT, "--ask", "0", "--out", str(tmp_path)]
     # two processes on one machine share its cores: one BLAS thread each (more only oversubscribe)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = launch_ranks(2, [sys.executable, EXAMPLES / "finetune_chat.py", *FINETUNE_SHORT, "--ask", "0",
+                         "--out", tmp_path], timeout=600, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    assert r.ok, r.text
     assert r.stdout.count("2 process(es)") == 1, r.stdout  # only rank 0 reports
     assert r.stdout.count("adapters saved to") == 1
     assert (tmp_path / "adapter_model.safetensors").exists()

@@ -231,14 +231,15 @@ def test_import_order_in_spawned_subprocess(tmp_path):
 @needs_shim
 def test_import_order_in_mlx_launch_ranks(tmp_path):
     """Both ranks of `mlx.launch -n 2 --backend ring` get OpenBLAS with mlx imported first."""
-    launch = shutil.which("mlx.launch", path=os.path.dirname(sys.executable))
-    assert launch, "mlx.launch is not installed next to the interpreter (it comes with mlx)"
+    from ring_launch import launch_ranks
+
     env, providers = traced(tmp_path)
     (tmp_path / "rank.py").write_text(
         "import mlx.core as mx\ngroup = mx.distributed.init()\n" + MATMUL + _REPORT
         + "import json\nprint(json.dumps({'rank': group.rank(), 'size': group.size(), **json.loads(report())}))\n"
     )
-    proc = run_cmd([launch, "-n", "2", "--backend", "ring", "--", sys.executable, "rank.py"], env=env, cwd=tmp_path)
+    proc = launch_ranks(2, [sys.executable, "rank.py"], env=_clean_env(env), cwd=tmp_path, timeout=600)
+    assert proc.ok, proc.text
     ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["size"] == 2 for r in ranks), proc.stdout
     for r in ranks:

@@ -13,9 +13,7 @@ bytes, not RSS) at most (1/N + 10%) of the whole model's.
 """
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,22 +35,13 @@ sys.path.insert(0, str(WORKER.parent))
 import distributed_infer as worker  # noqa: E402
 import gguf_files  # noqa: E402
 from hf_models import hf_model  # noqa: E402
+from ring_launch import launch_ranks  # noqa: E402
 
 LOGITS_TOL = 1e-5
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(n, kind, out, models, *extra, timeout=300):
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    cmd = [str(launcher), "-n", str(n), "--backend", "ring", "--starting-port", str(free_port()), "--",
-           sys.executable, str(WORKER), kind, str(out), *map(str, models), *extra]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return launch_ranks(n, [sys.executable, WORKER, kind, out, *models, *extra], timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +115,7 @@ CASES = [("pipeline", 2, ("llama", "moe", "gguf")), ("pipeline", 3, ("llama", "m
 @pytest.mark.parametrize("kind,size,names", CASES, ids=[f"{k}-{n}" for k, n, _ in CASES])
 def test_ranks_equal_one_process(tmp_path, checkpoints, references, kind, size, names):
     r = launch(size, kind, tmp_path, [checkpoints[n] for n in names])
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.ok, r.text
     logs = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(size)]
     for i, name in enumerate(names):
         ref = references[name]
@@ -162,8 +151,7 @@ def test_a_dead_rank_stops_the_others_naming_it(tmp_path, checkpoints):
     pipeline's exchange, must end with an error naming rank 1 instead of hanging (a hang would raise
     TimeoutExpired here) and write no results."""
     r = launch(2, "pipeline", tmp_path, [checkpoints["llama"]], "--die-at", "5", timeout=120)
-    text = r.stdout + r.stderr  # (mlx.launch itself exits 0 when it ended the ranks)
-    assert re.search(r"rank 1 (\(pid \d+\) died|exited with code -9)", text), text
+    assert 1 in r.failed and re.search(r"rank 1 (\(pid \d+\) died|exited with code -9)", r.text), r.text
     assert not (tmp_path / "rank0.json").exists()
 
 
@@ -175,9 +163,7 @@ def test_generate_command_under_mlx_launch(tmp_path, checkpoints, split):
            "--temperature", "0"]
     one = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120)
     assert one.returncode == 0, one.stderr
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    r = subprocess.run([str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
-                        sys.executable, *cmd, "--split", split], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = launch_ranks(2, [sys.executable, *cmd, "--split", split], timeout=180)
+    assert r.ok, r.text
     assert r.stdout == one.stdout
     assert r.stderr.count("generation: 12 tokens") == 1, r.stderr

@@ -3,9 +3,6 @@ localhost against one process training on the whole batches (the same arithmetic
 float32 additions in the gradient average: 1e-5)."""
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,29 +12,20 @@ import numpy as np
 import pytest
 
 import metalnn as mn
+from ring_launch import launch_ranks
 
 WORKER = Path(__file__).resolve().parents[2] / "support" / "workers" / "data_parallel_train.py"
 sys.path.insert(0, str(WORKER.parent))
 import data_parallel_train as worker  # noqa: E402
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(out, *extra, timeout=120):
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    cmd = [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
-           sys.executable, str(WORKER), str(out), *extra]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return launch_ranks(2, [sys.executable, WORKER, out, *extra], timeout=timeout)
 
 
 def test_two_ranks_equal_one_process_on_whole_batches(tmp_path):
     r = launch(tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.ok, r.text
     logs = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for i, log in enumerate(logs):
         assert log["rank"] == i and log["size"] == 2
@@ -60,7 +48,7 @@ def test_a_killed_rank_stops_the_run_instead_of_hanging(tmp_path):
     """Rank 1 is killed mid-training; rank 0 must not wait forever in the gradient all-reduce: the
     launcher ends it (a hang would raise TimeoutExpired here)."""
     r = launch(tmp_path, "--crash-at", "3", timeout=90)
-    assert "rank 1 exited with code -9" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert r.failed.get(1) == -9, r.text
     assert not (tmp_path / "rank0.json").exists() and not (tmp_path / "weights.safetensors").exists()
 
 

@@ -241,7 +241,8 @@ def test_metrics_come_back_from_the_compiled_step(folder, tok, tmp_path):
 def test_qlora_dpo_on_a_gguf_file_keeps_the_base_packed(tmp_path):
     """DPO with LoRA over a GGUF model's own Q4_0 / Q8_0 blocks: the adapters train, every packed
     tensor keeps its type and bytes, and the written adapters load back, in metalnn on a fresh
-    reading of the file (the same weights, the same ops: 1e-6) and in PEFT on transformers' reading
+    reading of the file (the same weights and ops; 1e-5, as BLAS's thread count follows the machine's load
+    and so may the order of float32 sums: 1.4e-6 measured on logits of order 2 on a busy machine) and in PEFT on transformers' reading
     of it (every tensor dequantized to float32: 1e-4, float32 rounding as in
     tests/llm/tuner/test_adapters.py)."""
     import peft
@@ -292,7 +293,7 @@ def test_qlora_dpo_on_a_gguf_file_keeps_the_base_packed(tmp_path):
     trained = np.array(model(ids))
     fresh = load_pretrained(path)
     lora.load_adapters(fresh, out)
-    np.testing.assert_allclose(np.array(fresh(ids)), trained, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.array(fresh(ids)), trained, atol=1e-5, rtol=0)
     with lora.adapters_disabled(model):
         base_logits = np.array(model(ids))
     assert np.abs(trained - base_logits).max() > 1e-3  # the adapters change the logits
