@@ -118,11 +118,11 @@ def add_split(parser):
                         help="under mlx.launch (several ranks, one model too large for one machine): 'pipeline' "
                              "gives each rank a run of the blocks, 'tensor' a share of every block's heads and "
                              "columns (default pipeline). Every rank reads only its part of the checkpoint and "
-                             "runs the same generation; rank 0 alone writes. A rank that dies stops the others "
-                             "with an error naming it. Outside mlx.launch the option has no effect. Example, two "
-                             "ranks on this machine: mlx.launch -n 2 --backend ring -- metalnn generate MODEL "
-                             "--prompt TEXT; over two Macs: mlx.launch --hostfile hosts.json --backend ring -- "
-                             "metalnn generate MODEL --prompt TEXT")
+                             "runs the same generation; rank 0 alone writes (serve: rank 0 alone listens, the others "
+                             "follow its batch). A rank that dies stops the others with an error naming it. Outside "
+                             "mlx.launch the option has no effect. Example, two ranks on this machine: mlx.launch "
+                             "-n 2 --backend ring -- metalnn generate MODEL --prompt TEXT; over two Macs: mlx.launch "
+                             "--hostfile hosts.json --backend ring -- metalnn serve MODEL --host 0.0.0.0")
 
 
 def launch_group():

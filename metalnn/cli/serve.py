@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import CommandError, add_model, positive_int
+from .common import CommandError, add_model, add_split, positive_int
 
 
 def add_parser(commands):
@@ -17,6 +17,7 @@ def add_parser(commands):
         "environment variable METALNN_API_KEY, in that order) every path but / and /health answers 401 without "
         "'Authorization: Bearer KEY'; the chat page asks for it."))
     add_model(p)
+    add_split(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     p.add_argument("--model-name", metavar="NAME", help="the model's id in the API (default: the file or folder name)")
@@ -80,10 +81,13 @@ def adapter_options(values) -> tuple:
 def run(args):
     from .common import launch_group
 
-    if launch_group() is not None:
-        raise CommandError("metalnn serve does not run a model split over mlx.launch ranks yet (every rank would "
-                           "have to follow rank 0's requests); start it without mlx.launch, or use 'metalnn "
-                           "generate' under mlx.launch")
+    group = launch_group()
+    if group is not None:
+        if args.draft_model or args.adapter:
+            raise CommandError("--draft-model and --adapter are not served over a model split over mlx.launch ranks")
+        from ..llm.distributed import watch_peers
+
+        watch_peers(group)
     from ..llm.server import ServerSettings, serve
     from ..llm.server.auth import load_api_key
 
@@ -93,6 +97,7 @@ def run(args):
                               prompt_cache_dir=args.prompt_cache_dir, draft_model=args.draft_model,
                               prompt_lookup=args.prompt_lookup, max_draft=args.max_draft,
                               max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
-                              log_level=args.log_level, api_key=load_api_key(args.api_key, args.api_key_file))
+                              log_level=args.log_level, api_key=load_api_key(args.api_key, args.api_key_file),
+                              split=args.split)
     settings.adapter, settings.adapters = adapter_options(args.adapter)
-    serve(args.model, settings)
+    serve(args.model, settings, group=group)

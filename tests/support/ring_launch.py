@@ -78,3 +78,39 @@ def launch_ranks(n: int, argv, *, timeout: float, env=None, cwd=None, tries: int
         if _PORT_TAKEN not in run.text or attempt == tries - 1:
             return run
     return run
+
+
+def launch_command(n: int, argv) -> list:
+    """The command line that runs ``argv`` as ``n`` ring ranks on free ports (for a long-running child,
+    e.g. a server, started with ``subprocess.Popen``)."""
+    return [str(LAUNCHER), "-n", str(n), "--backend", "ring", "--starting-port", str(free_port_block(n)), "--",
+            *map(str, argv)]
+
+
+def rank_pids(launcher_pid: int) -> dict:
+    """``{rank: pid}`` of the ranks a running ``mlx.launch`` started (its descendants whose environment
+    holds ``MLX_RANK``; Linux ``/proc``)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    ranks, todo = {}, list(children.get(launcher_pid, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                python = b"python" in f.read().split(b"\0")[0]
+        except OSError:
+            continue
+        if b"MLX_RANK" in env and python:
+            ranks[int(env[b"MLX_RANK"])] = pid
+    return ranks

@@ -1,5 +1,6 @@
 """Run ``metalnn serve`` in a child process for a test: bound to 127.0.0.1 on a free port, always
-stopped afterwards."""
+stopped afterwards; with ``ranks``, under ``mlx.launch`` (a model split over that many ring ranks on
+this machine)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,23 @@ STARTUP_TIMEOUT = 120  # seconds: loading a model on a busy 2-core machine
 class Server:
     """A running server: ``url``, the child ``process`` and its log files."""
 
-    def __init__(self, process, url, log_dir):
-        self.process, self.url, self.log_dir = process, url, log_dir
+    def __init__(self, process, url, log_dir, ranks: int = 1):
+        self.process, self.url, self.log_dir, self.ranks = process, url, log_dir, ranks
+
+    def rank_pids(self) -> dict:
+        """``{rank: pid}`` of the server's processes (``{0: pid}`` without ``mlx.launch``)."""
+        if self.ranks == 1:
+            return {0: self.process.pid}
+        from ring_launch import rank_pids
+
+        return rank_pids(self.process.pid)
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM to rank 0 (the one that serves; it stops the others); the exit status of the child."""
+        pid = self.rank_pids().get(0)
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+        return self.process.wait(timeout)
 
     @property
     def api(self) -> str:
@@ -66,13 +82,18 @@ def _child_env():
 
 
 @contextlib.contextmanager
-def running_server(model, log_dir, *args):
-    """Start ``python -m metalnn serve model --port 0 *args``; yields a `Server`; stops it at the end."""
+def running_server(model, log_dir, *args, ranks: int = 1):
+    """Start ``python -m metalnn serve model --port 0 *args`` (``ranks`` > 1: under ``mlx.launch -n
+    ranks --backend ring``); yields a `Server`; stops it at the end."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out, err = log_dir / "stdout.log", log_dir / "stderr.log"
+    cmd = [sys.executable, "-m", "metalnn", "serve", str(model), "--host", "127.0.0.1", "--port", "0", *args]
+    if ranks > 1:
+        from ring_launch import launch_command
+
+        cmd = launch_command(ranks, cmd)
     with open(out, "w") as fo, open(err, "w") as fe:
-        process = subprocess.Popen([sys.executable, "-m", "metalnn", "serve", str(model), "--host", "127.0.0.1",
-                                    "--port", "0", *args], stdout=fo, stderr=fe, env=_child_env())
+        process = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=_child_env(), start_new_session=True)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         url = None
@@ -86,7 +107,7 @@ def running_server(model, log_dir, *args):
                 raise RuntimeError(f"metalnn serve did not start in {STARTUP_TIMEOUT} s:\n{err.read_text()}")
             else:
                 time.sleep(0.05)
-        server = Server(process, url, log_dir)
+        server = Server(process, url, log_dir, ranks)
         while True:  # the socket listens before the application has started; wait for it
             try:
                 server.health()
@@ -98,9 +119,13 @@ def running_server(model, log_dir, *args):
         yield server
     finally:
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+            if ranks > 1:  # rank 0 stops the others; the launcher then ends
+                with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                    Server(process, None, log_dir, ranks).stop()
+            else:
+                process.send_signal(signal.SIGTERM)
             try:
                 process.wait(30)
             except subprocess.TimeoutExpired:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait()

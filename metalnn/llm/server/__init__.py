@@ -81,6 +81,8 @@ class ServerSettings:
         api_key: the key clients must send (``Authorization: Bearer KEY``); None: no key needed.
         adapter: a LoRA adapter folder applied to every request (None: none).
         adapters: named LoRA adapter folders ``{NAME: folder}``, each served as the model id ``NAME``.
+        split: how a run started by ``mlx.launch`` splits the model over its ranks (``"pipeline"`` or
+            ``"tensor"``, see `serve`).
     """
 
     host: str = "127.0.0.1"
@@ -100,6 +102,7 @@ class ServerSettings:
     api_key: str | None = None
     adapter: str | None = None
     adapters: dict = field(default_factory=dict)
+    split: str = "pipeline"
 
 
 def model_name(source) -> str:
@@ -151,19 +154,37 @@ def prepare_adapters(model, settings: ServerSettings, name: str):
     return install_adapters(model, named) if named else None
 
 
-def serve(model, settings: ServerSettings | None = None, *, announce=None):
+def serve(model, settings: ServerSettings | None = None, *, announce=None, group=None):
     """Load ``model`` (anything `metalnn.llm.models.load_pretrained` takes) and serve it until SIGTERM
     or Ctrl-C.
 
     ``announce(url)`` is called once the socket listens (default: a line on stdout naming the URL,
     with the real port when ``port`` is 0).
+
+    With ``group`` (the ``mx.distributed`` group of a run started by ``mlx.launch``), the model is split
+    over its ranks as ``settings.split`` says; rank 0 serves, the others follow its batch until it
+    stops (`metalnn.llm.server.lockstep`). A split model is served without the prefix cache; a draft
+    model, named adapters and embeddings are refused.
     """
     import uvicorn
 
     from ..models import load_pretrained, load_tokenizer
 
     settings = settings or ServerSettings()
-    loaded = load_pretrained(model)
+    split = {}
+    if group is not None:
+        if settings.split not in ("pipeline", "tensor"):
+            raise ValueError(f"ServerSettings.split: expected 'pipeline' or 'tensor', got {settings.split!r}")
+        if settings.draft_model or settings.adapter or settings.adapters:
+            raise ValueError("a model split over ranks is served without a draft model or LoRA adapters "
+                             "(--draft-model, --adapter)")
+        split = {settings.split: group}
+    loaded = load_pretrained(model, **split)
+    if group is not None and group.rank() != 0:
+        from .lockstep import follow
+
+        follow(loaded, group)
+        return
     try:
         tokenizer = load_tokenizer(model)
     except FileNotFoundError:
@@ -175,7 +196,7 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None):
         raise ValueError(f"--draft-model {settings.draft_model}: its vocabulary has {draft.vocab_size} tokens, the "
                          f"model's {loaded.vocab_size}; a draft model must share the model's tokenizer")
     adapters = prepare_adapters(loaded, settings, name)
-    app = create_app(loaded, tokenizer, settings, name, draft_model=draft, adapters=adapters)
+    app = create_app(loaded, tokenizer, settings, name, draft_model=draft, adapters=adapters, group=group)
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

@@ -385,15 +385,17 @@ class _CompletionShape:
         return {**self.base, "choices": choices, "usage": _usage(streams), "timings": _timings(streams)}
 
 
-def create_app(model, tokenizer, settings, name: str, draft_model=None, adapters=None) -> FastAPI:
+def create_app(model, tokenizer, settings, name: str, draft_model=None, adapters=None, group=None) -> FastAPI:
     """The application serving ``model`` under the id ``name`` (see `metalnn.llm.server.ServerSettings`;
     ``draft_model``: a loaded model for ``settings.draft_model``; ``adapters``: the
     `metalnn.llm.tuner.multi_lora.AdapterRows` of the named LoRA adapters installed in ``model``, each
-    served as the model id of its name).
+    served as the model id of its name; ``group``: the ``mx.distributed`` group ``model`` is split over,
+    this process being its rank 0, see `metalnn.llm.server.lockstep`: no prefix cache, no embeddings).
 
     The generation worker starts with the application and stops with it.
     """
-    prefix_cache = PrefixCache(settings.prompt_cache_bytes) if settings.prompt_cache_bytes else None
+    use_cache = settings.prompt_cache_bytes and group is None
+    prefix_cache = PrefixCache(settings.prompt_cache_bytes) if use_cache else None
     metrics = ServerMetrics()
     if prefix_cache is not None:
         metrics.watch_prefix_cache(prefix_cache)
@@ -406,7 +408,7 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None, adapters
                               prefix_cache=prefix_cache, prefill_chunk=settings.prefill_chunk, drafter=drafter,
                               max_draft=getattr(settings, "max_draft", 4),
                               prompt_cache_dir=settings.prompt_cache_dir if prefix_cache is not None else None,
-                              metrics=metrics, adapters=adapters)
+                              metrics=metrics, adapters=adapters, group=group)
     models = ServedModels(name, dict.fromkeys(adapters.names) if adapters is not None else None)
     generations = Generations(model, tokenizer, worker, name, settings, models)
     embeddings = Embeddings(model, tokenizer, name, lambda job: enqueue(worker, job))
@@ -472,6 +474,10 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None, adapters
         if generations.check_model(body) is not None:
             raise APIError(400, f"Embeddings come from the base model '{name}'; the adapter '{body.model}' only "
                            "changes generated text.", param="model", code="invalid_value")
+        if group is not None:
+            raise APIError(400, f"The model '{name}' is split over {group.size()} processes; this server makes no "
+                           "embeddings with it (serve it from one process for /v1/embeddings).",
+                           param="model", code="unsupported")
         return await embeddings.respond(body)
 
     return app

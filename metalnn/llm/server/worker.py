@@ -127,7 +127,11 @@ class Job:
 def plain_greedy(sequence) -> bool:
     """Whether a row's tokens are plain arg-maxes with nothing to report per token (its drafts can
     then be checked in one pass)."""
-    sampler = sequence.state._sampler
+    return greedy_sampler(sequence.state._sampler)
+
+
+def greedy_sampler(sampler) -> bool:
+    """`plain_greedy` of a row with this `metalnn.llm.sampling.Sampler`."""
     return sampler.params.greedy and sampler.plain and not sampler.params.logprobs
 
 
@@ -178,6 +182,15 @@ def lazy_ok(sequence) -> bool:
     return not sequence.state._sampler.processors
 
 
+def _end_process(message: str):
+    """End this rank of a split model with an error (``mlx.launch`` then ends the others)."""
+    import os
+    import sys
+
+    print(f"metalnn serve: {message}; stopping", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 class GenerationWorker:
     """Runs every `Job` on its own thread, batched.
 
@@ -193,17 +206,32 @@ class GenerationWorker:
         metrics: a `metalnn.llm.server.metrics.ServerMetrics` to report to (None: none).
         adapters: the model's `metalnn.llm.tuner.multi_lora.AdapterRows` (named LoRA adapters a job
             may ask for; None: none).
+        group: the ``mx.distributed`` group ``model`` is split over (this is rank 0; the other ranks
+            run `metalnn.llm.server.lockstep.follow`); None: one process. A split model is served
+            without a prefix cache, a draft model or named adapters, and a failed step ends the
+            process (the other ranks cannot go on with it).
     """
 
     def __init__(self, model, tokenizer, max_queue: int = 16, *, max_batch: int = 8, prefix_cache=None,
                  prefill_chunk: int = 256, drafter=None, max_draft: int = 4, prompt_cache_dir=None,
-                 metrics=None, adapters=None):
+                 metrics=None, adapters=None, group=None, fatal=None):
         self.model, self.tokenizer, self.max_queue = model, tokenizer, int(max_queue)
         self.metrics = metrics
         self.max_batch, self.prefix_cache, self.prefill_chunk = int(max_batch), prefix_cache, int(prefill_chunk)
         self.drafter, self.max_draft = drafter, int(max_draft)
         self.prompt_cache_dir = prompt_cache_dir
         self.adapters = adapters
+        self.lockstep = None
+        if group is not None:
+            from ..batching import PromptLookup
+            from .lockstep import Lockstep
+
+            if prefix_cache is not None or adapters is not None or (drafter is not None and
+                                                                     not isinstance(drafter, PromptLookup)):
+                raise ValueError("GenerationWorker: a model split over ranks is served without a prefix cache, "
+                                 "a draft model or named adapters")
+            self.lockstep = Lockstep(group)
+        self._fatal = fatal or _end_process
         self.eos = frozenset(getattr(model, "eos_token_ids", ()) or ()) | frozenset(tokenizer.eos_token_ids)
         self._inbox: queue.Queue = queue.Queue()
         # re-entrant: cancel_all also runs from the SIGTERM handler, which may interrupt submit()
@@ -217,8 +245,16 @@ class GenerationWorker:
         self.generated_tokens = 0
         self._generator = self._new_generator()
         self._jobs: dict = {}  # sequence uid -> job
+        self._thread_ok = True  # False once a split model's step failed (the other ranks cannot be told)
 
-    def _new_generator(self) -> BatchGenerator:
+    def _new_generator(self):
+        if self.lockstep is not None:  # no pipelined steps: the followers take every token as it is sampled
+            from .lockstep import LeaderGenerator, leader_sample
+
+            return LeaderGenerator(BatchGenerator(
+                self.model, sample=leader_sample(self.lockstep, sample_rows, grammar_done),
+                prefill_chunk=self.prefill_chunk, max_batch=self.max_batch, drafter=self.drafter,
+                max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done), self.lockstep)
         return BatchGenerator(self.model, sample=sample_rows, prefill_chunk=self.prefill_chunk,
                               max_batch=self.max_batch, prefix_cache=self.prefix_cache, drafter=self.drafter,
                               max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done,
@@ -281,9 +317,15 @@ class GenerationWorker:
                 log.info("prompt cache: %d entries read from %s", n, self.prompt_cache_dir)
             except OSError as e:
                 log.warning("prompt cache: could not read %s: %s", self.prompt_cache_dir, e)
+        if self.lockstep is not None:  # the followers build their generator as this one
+            self.lockstep.publish({"settings": {"max_batch": self.max_batch, "prefill_chunk": self.prefill_chunk,
+                                                "prompt_lookup": self.drafter is not None,
+                                                "max_draft": self.max_draft}})
         try:
             self._loop()
         finally:
+            if self.lockstep is not None and self._thread_ok:
+                self._generator.stop()
             if self.prefix_cache is not None and self.prompt_cache_dir:
                 try:
                     self.prefix_cache.save(self.prompt_cache_dir)
@@ -293,16 +335,25 @@ class GenerationWorker:
     def _loop(self):
         stopping = False
         while True:
-            stopping = self._take_new(block=not self._jobs and not stopping) or stopping
+            idle = not self._jobs and not stopping
+            stopping = self._take_new(block=idle) or stopping
             self._drop_cancelled()
             if stopping and not self._jobs:
                 return
             if not self._jobs:
+                if idle and self.lockstep is not None:
+                    self._generator.idle()
                 continue
             try:
                 events = self._generator.step()
             except Exception as e:  # every job of the batch fails; the worker goes on with new ones
                 log.exception("generation failed")
+                if self.lockstep is not None:  # the other ranks are somewhere inside the step
+                    self._thread_ok = False
+                    for job in list(self._jobs.values()):
+                        job.send("error", f"generation failed: {type(e).__name__}: {e}")
+                    self._fatal(f"generation failed on rank 0 of a split model: {type(e).__name__}: {e}")
+                    return
                 for job in list(self._jobs.values()):
                     job.send("error", f"generation failed: {type(e).__name__}: {e}")
                     self._finish(job, "failed", waiting=not job.result.tokens)
@@ -315,11 +366,13 @@ class GenerationWorker:
             self._count()
 
     def _take_new(self, block: bool) -> bool:
-        """Move submitted jobs into the generator; True once the stop sentinel arrived."""
+        """Move submitted jobs into the generator; True once the stop sentinel arrived. (Over a split
+        model, a blocking wait lasts at most the lockstep's idle tick.)"""
         stopping = False
+        timeout = self._generator.idle_tick if self.lockstep is not None else None
         while True:
             try:
-                job = self._inbox.get(block=block, timeout=None)
+                job = self._inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 return stopping
             block = False
@@ -338,7 +391,9 @@ class GenerationWorker:
             job._sampler = Sampler(o["sampling"], job.prompt, o.get("processors") or ())
             job._started = time.perf_counter()
             job.result = Completion(prompt_tokens=len(job.prompt), sampling=o["sampling"])
-            seq = self._generator.add(job.prompt, o["max_tokens"], eos=self.eos, state=job, adapter=o.get("adapter"))
+            drafts = {"can_draft": greedy_sampler(job._sampler)} if self.lockstep is not None else {}
+            seq = self._generator.add(job.prompt, o["max_tokens"], eos=self.eos, state=job, adapter=o.get("adapter"),
+                                      **drafts)
             self._jobs[seq.uid] = job
             job._seq = seq
 

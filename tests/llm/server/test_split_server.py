@@ -1,0 +1,146 @@
+"""``metalnn serve`` over a model split across ``mlx.launch -n 2 --backend ring`` ranks on this machine
+(`metalnn.llm.server.lockstep`): rank 0 serves, rank 1 follows its batch.
+
+References: greedy answers equal `metalnn.llm.text_generation.TextStream` run alone in this process on
+the same checkpoint; every answer (seeded sampling, stop strings, a grammar, log-probabilities, several
+choices) equals the one a one-process server gives the same requests sent the same way, token for token
+(the split model's logits equal one process's within 1e-5, tests/llm/distributed; the tiny model's
+greedy and seeded draws are far from ties at that distance).
+"""
+
+import concurrent.futures
+import os
+import re
+import signal
+import time
+
+import openai
+import pytest
+
+from metalnn.llm.text_generation import TextStream
+
+from app_models import save_tiny_model
+from server_process import running_server
+
+GRAMMAR = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny chat model with 4 blocks (2 a rank in the pipeline; 4 heads, 2 a rank in tensor split)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny4") / "tiny", num_hidden_layers=4)
+
+
+REQUESTS = [
+    ("chat", {"messages": [{"role": "user", "content": "Say red red red"}], "max_tokens": 30, "temperature": 0}),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "temperature": 0,
+              "stream": True}),
+    ("chat", {"messages": [{"role": "user", "content": "Tea"}], "max_tokens": 20, "temperature": 0.9, "seed": 3,
+              "n": 2, "logprobs": True, "top_logprobs": 2}),
+    ("text", {"prompt": "Once upon", "max_tokens": 40, "temperature": 1.0, "top_p": 0.9, "seed": 7,
+              "stop": ["I", "g", "e", "a"]}),
+    ("text", {"prompt": "Numbers:", "max_tokens": 60, "temperature": 1.0, "seed": 1,
+              "extra_body": {"grammar": GRAMMAR}}),
+    ("text", {"prompt": "abc" * 30, "max_tokens": 16, "temperature": 0, "logprobs": 1}),
+]
+
+
+def ask(client, kind, body):
+    """``[(text, finish_reason, token log-probabilities or None), ...]`` one per choice."""
+    if kind == "chat" and body.get("stream"):
+        text, reason = "", None
+        for chunk in client.chat.completions.create(model="tiny", **body):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                reason = c.finish_reason or reason
+        return [(text, reason, None)]
+    if kind == "chat":
+        r = client.chat.completions.create(model="tiny", **body)
+        return [(c.message.content, c.finish_reason,
+                 [round(t.logprob, 4) for t in c.logprobs.content] if c.logprobs else None) for c in r.choices]
+    r = client.completions.create(model="tiny", **body)
+    return [(c.text, c.finish_reason, [round(p, 4) for p in c.logprobs.token_logprobs] if c.logprobs else None)
+            for c in r.choices]
+
+
+def ask_all(server):
+    client = openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:  # decoded together, joining as they come
+        return list(pool.map(lambda r: ask(client, *r), REQUESTS))
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny, tmp_path_factory):
+    with running_server(tiny, tmp_path_factory.mktemp("one")) as server:
+        return ask_all(server)
+
+
+@pytest.fixture(scope="module", params=["pipeline", "tensor"])
+def split_server(request, tiny, tmp_path_factory):
+    """A 2-rank server of ``tiny`` split as the parameter says; on leaving, SIGTERM to rank 0 must end
+    both ranks cleanly (the launcher exits 0, nothing printed a traceback)."""
+    logs = tmp_path_factory.mktemp(f"split-{request.param}")
+    with running_server(tiny, logs, "--split", request.param, ranks=2) as server:
+        yield server
+        assert sorted(server.rank_pids()) == [0, 1]
+        assert server.stop() == 0, server.logs()
+        assert "Traceback" not in server.logs() and "died" not in server.logs(), server.logs()
+
+
+def test_split_server_answers_as_one_process(split_server, one_process, tiny):
+    import metalnn as mn
+
+    got = ask_all(split_server)
+    assert got == one_process
+    model, tok = mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
+    for (kind, body), answer in zip(REQUESTS, got):
+        if body["temperature"] == 0 and kind == "chat":  # greedy: the lone reference
+            prompt = tok.apply_chat_template(body["messages"])
+            assert answer[0][0] == "".join(TextStream(model, tok, prompt, body["max_tokens"], temperature=0.0))
+    assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", got[4][0][0]) and got[4][0][1] == "stop"
+    assert got[3][0][1] == "stop" and not set(got[3][0][0]) & {"I", "g", "e", "a"}, got[3]
+
+
+def test_split_server_health_and_refused_embeddings(split_server):
+    assert split_server.health()["status"] == "ok"
+    status, body = split_server.post("/v1/embeddings", b'{"model": "tiny", "input": "hello"}')
+    assert status == 400 and "split over 2 processes" in body["error"]["message"], body
+
+
+def test_a_dead_follower_ends_the_server(tiny, tmp_path):
+    """Rank 1 is SIGKILLed while the server is idle; rank 0 must end with an error naming rank 1
+    (bounded: ``watch_peers`` looks every second), not keep serving answers that can never come."""
+    with running_server(tiny, tmp_path / "logs", ranks=2) as server:
+        pids = server.rank_pids()
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while server.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.process.poll() is not None, "the launcher still runs 60 s after rank 1 died"
+        assert re.search(r"rank 1 \(pid \d+\) died|rank 1 was killed|rank 1 exited", server.logs()), server.logs()
+
+
+class _Rank0Of2:
+    """Stands for rank 0 of a 2-rank group where nothing is sent (the refusals come first)."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
+def test_what_a_split_model_is_not_served_with(tiny):
+    import metalnn as mn
+    from metalnn.llm.prefix_cache import PrefixCache
+    from metalnn.llm.server import ServerSettings, serve
+    from metalnn.llm.server.worker import GenerationWorker
+
+    model, tok = mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
+    with pytest.raises(ValueError, match="without a prefix cache, a draft model or named adapters"):
+        GenerationWorker(model, tok, prefix_cache=PrefixCache(1 << 20), group=_Rank0Of2())
+    for settings in (ServerSettings(draft_model=str(tiny)), ServerSettings(adapter="somewhere")):
+        with pytest.raises(ValueError, match="without a draft model or LoRA adapters"):
+            serve(tiny, settings, group=_Rank0Of2())
+    with pytest.raises(ValueError, match="expected 'pipeline' or 'tensor', got 'rows'"):
+        serve(tiny, ServerSettings(split="rows"), group=_Rank0Of2())
