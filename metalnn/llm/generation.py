@@ -101,7 +101,9 @@ def _steps(model, prompt, max_new_tokens, samplers, device, max_context=None):
         if inp.shape[1] > 1:
             # Prefill: the earlier positions only fill the cache. Their outputs are never
             # evaluated, so MLX computes only what the cache needs (no output projection for them).
-            model(inp[:, :-1], cache=cache, device=device)
+            spans = getattr(model, "prefill_spans", lambda n: [(0, n)])(inp.shape[1] - 1)
+            for start, end in spans:
+                model(inp[:, start:end], cache=cache, device=device)
             inp = inp[:, -1:]
         logits = model(inp, cache=cache, device=device)[:, -1, :]
         return propose_batch(samplers, logits)

@@ -174,9 +174,31 @@ def pipeline_model(model, group, dtype):
     return start, end
 
 
+#: a prompt is cut into about this many micro-batches per rank (`PipelineLM.prefill_spans`) ...
+MICRO_BATCHES_PER_RANK = 2
+#: ... of at least this many tokens each
+MIN_MICRO_BATCH = 64
+
+
 class PipelineLM:
     """Mixin of a `CausalLM` cut to one pipeline stage (`pipeline_model`): the last rank's logits,
-    summed over the group with the other ranks' zeros, are every rank's logits."""
+    summed over the group with the other ranks' zeros, are every rank's logits.
+
+    A prompt's positions that only fill the caches run as micro-batches (`prefill_spans`): rank
+    ``r`` works on micro-batch ``k`` while rank ``r + 1`` works on ``k - 1`` (nothing waits for the
+    logits of a micro-batch, and each rank's sends and receives follow its caches), so the ranks run
+    at once instead of one after another.
+    """
+
+    def prefill_spans(self, length: int) -> list:
+        """``(start, end)`` micro-batches of ``length`` positions: ``MICRO_BATCHES_PER_RANK`` per rank,
+        of at least ``MIN_MICRO_BATCH`` tokens, as even as whole tokens allow."""
+        length = int(length)
+        if length <= 0:
+            return []
+        parts = max(1, min(MICRO_BATCHES_PER_RANK * self.backbone.size, length // MIN_MICRO_BATCH))
+        cuts = [length * i // parts for i in range(parts + 1)]
+        return list(zip(cuts[:-1], cuts[1:]))
 
     def forward(self, device, data, cache=None):
         stage = self.backbone

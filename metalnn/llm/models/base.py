@@ -260,6 +260,12 @@ class CausalLM(Layer):
         """One empty `KVCache` per decoder layer."""
         return [KVCache() for _ in range(self.num_layers)]
 
+    def prefill_spans(self, length: int) -> list:
+        """The ``(start, end)`` runs of ``length`` prompt positions that only fill the cache, one model
+        call each: the whole prompt at once (a pipeline-split model cuts it into micro-batches, see
+        `metalnn.llm.distributed.pipeline.PipelineLM`)."""
+        return [(0, int(length))] if length > 0 else []
+
     # -- calling -----------------------------------------------------------------------------
     def __call__(self, tokens, *args, cache=None, device: Device | None = None):
         """Logits for integer ``tokens`` ``[B, T]`` -> ``[B, T, vocab]`` (``[T]`` -> ``[T, vocab]``);

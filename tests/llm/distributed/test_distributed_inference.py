@@ -77,7 +77,9 @@ def references(checkpoints):
         logits = np.array(model(mx.array(worker.TOKENS)))
         one = mn.generate(model, worker.PROMPT, max_new_tokens=worker.NEW)
         three = np.array(mn.generate(model, mx.array(worker.PROMPTS), max_new_tokens=worker.NEW)).tolist()
-        out[name] = dict(logits=logits, greedy1=[int(t) for t in one], greedy3=three, bytes=parameter_bytes(model))
+        long = [int(t) for t in mn.generate(model, worker.LONG, max_new_tokens=worker.NEW_LONG)]
+        out[name] = dict(logits=logits, greedy1=[int(t) for t in one], greedy3=three, long=long,
+                         bytes=parameter_bytes(model))
     return out
 
 
@@ -131,6 +133,9 @@ def test_ranks_equal_one_process(tmp_path, checkpoints, references, kind, size, 
                 assert err == 0.0, f"{where}: a pipeline computes one process's arithmetic, yet differs by {err}"
             assert got["greedy1"] == ref["greedy1"], where
             assert got["greedy3"] == ref["greedy3"], where
+            assert got["long"] == ref["long"], where  # after a prompt of micro-batches on a pipeline
+            if kind == "pipeline":
+                assert len(got["spans"]) == 3, got["spans"]  # 199 positions: 3 micro-batches of >= 64
             share = got["bytes"] / ref["bytes"]
             assert share <= 1 / size + 0.10, f"{where}: holds {share:.3f} of the parameter bytes"
             reads = set(got["reads"])
@@ -144,6 +149,26 @@ def test_ranks_equal_one_process(tmp_path, checkpoints, references, kind, size, 
         if kind == "pipeline":  # contiguous runs of blocks, one per rank, in rank order
             runs = [log["models"][i]["blocks"] for log in logs]
             assert runs[0][0] == 0 and all(a[1] == b[0] and a[0] < a[1] for a, b in zip(runs, runs[1:]))
+
+
+@pytest.mark.parametrize("length,size", [(1, 2), (63, 2), (128, 2), (199, 2), (1000, 2), (1000, 3), (129, 5)])
+def test_pipeline_prompts_run_as_even_micro_batches(length, size):
+    """`PipelineLM.prefill_spans`: contiguous runs covering every position, ``MICRO_BATCHES_PER_RANK``
+    per rank where each keeps ``MIN_MICRO_BATCH`` tokens, lengths within one token of each other."""
+    from types import SimpleNamespace
+
+    from metalnn.llm.distributed.pipeline import MICRO_BATCHES_PER_RANK, MIN_MICRO_BATCH, PipelineLM
+
+    class Stage(PipelineLM):
+        backbone = SimpleNamespace(size=size)
+
+    spans = Stage().prefill_spans(length)
+    assert spans[0][0] == 0 and spans[-1][1] == length
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert len(spans) == max(1, min(MICRO_BATCHES_PER_RANK * size, length // MIN_MICRO_BATCH))
+    sizes = [e - s for s, e in spans]
+    assert max(sizes) - min(sizes) <= 1 and (len(spans) == 1 or min(sizes) >= MIN_MICRO_BATCH)
+    assert Stage().prefill_spans(0) == []
 
 
 def test_a_dead_rank_stops_the_others_naming_it(tmp_path, checkpoints):

@@ -4,8 +4,8 @@
 
 ``KIND`` is ``pipeline`` or ``tensor``; each ``MODEL`` a checkpoint (folder or ``.gguf`` file). Every rank
 loads each model's part (``load_pretrained(path, KIND=group)``) and runs the same checks: the logits of
-`TOKENS`, greedy generation of `NEW` tokens from `PROMPT` (batch of 1) and from `PROMPTS` (batch of 3),
-and writes ``OUT_DIR/rank<r>.json`` (per model: the greedy tokens, its parameter bytes, the checkpoint
+`TOKENS`, greedy generation of `NEW` tokens from `PROMPT` (batch of 1), from `PROMPTS` (batch of 3) and
+of `NEW_LONG` tokens from `LONG` (a prompt a pipeline runs as micro-batches: ``"spans"``), and writes ``OUT_DIR/rank<r>.json`` (per model: the greedy tokens, its parameter bytes, the checkpoint
 tensors it read, its blocks) and ``OUT_DIR/rank<r>_<i>.npy`` (model ``i``'s logits).
 
 ``--die-at CALL``: rank 1 kills itself (SIGKILL) at its CALL-th call of the first model, in the middle
@@ -31,6 +31,8 @@ TOKENS = np.random.default_rng(1).integers(0, VOCAB, (2, 9)).tolist()
 PROMPT = np.random.default_rng(2).integers(0, VOCAB, 7).tolist()
 PROMPTS = np.random.default_rng(3).integers(0, VOCAB, (3, 5)).tolist()
 NEW = 24
+LONG = np.random.default_rng(4).integers(0, VOCAB, 200).tolist()
+NEW_LONG = 8
 
 
 def main():
@@ -62,7 +64,9 @@ def main():
         np.save(args.out / f"rank{rank}_{i}.npy", np.array(logits))
         one = mn.generate(model, PROMPT, max_new_tokens=NEW)
         three = mn.generate(model, mx.array(PROMPTS), max_new_tokens=NEW)
+        long = mn.generate(model, LONG, max_new_tokens=NEW_LONG)
         report["models"].append({"greedy1": [int(t) for t in one], "greedy3": np.array(three).tolist(),
+                                 "long": [int(t) for t in long], "spans": model.prefill_spans(len(LONG) - 1),
                                  "bytes": parameter_bytes(model), "reads": list(model.weight_reads),
                                  "blocks": list(model._shard.blocks), "class": type(model).__name__})
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
