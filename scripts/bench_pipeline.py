@@ -13,9 +13,13 @@ Every run times, after one warm-up, a prompt of ``--prompt`` tokens with 1 new t
 tokens/s) and ``--new`` greedy tokens from a short prompt (decoding tokens/s); rank 0 reports. On one
 machine the ranks share its cores, so a split model is at best as fast as one process here: the point
 of splitting is memory (each rank holds 1/N of the weights); across machines each rank has its own
-cores. The ratio column is against the one-process row of the same run.
+cores. ``--one-core-each`` (Linux, ``taskset``) stands in for that: every process (the one-process run
+too) is pinned, all its threads, to a core of its own with one BLAS thread, as if each rank were a
+machine of one core. The ratio column is
+against the one-process row of the same run.
 
     python scripts/bench_pipeline.py [--ranks 2] [--hidden 1024] [--layers 8] [--prompt 1024] [--new 32]
+                                     [--one-core-each]
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--new", type=int, default=32)
+    p.add_argument("--one-core-each", action="store_true",
+                   help="pin every process to a core of its own with one BLAS thread (a machine of one core each)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--split", default="none", help=argparse.SUPPRESS)
     p.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
@@ -97,22 +103,28 @@ def main():
     import mlx.core as mx
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.one_core_each:
+        env.update(METALNN_BLAS_THREADS="1", OPENBLAS_NUM_THREADS="1")
     launcher = str(Path(sys.executable).parent / "mlx.launch")
-    common = ["--prompt", str(args.prompt), "--new", str(args.new), "--child"]
+    common = ["--prompt", str(args.prompt), "--new", str(args.new), "--child"] + ["--one-core-each"] * args.one_core_each
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         write_model(folder, args.hidden, args.layers)
         me = [sys.executable, __file__, *common, "--model", str(folder)]
-        rows = [("one process", run("one process", me, env))]
+        pinned = me
+        if args.one_core_each:  # each rank on core MLX_RANK (taskset pins every thread the process starts)
+            pinned = ["sh", "-c", 'exec taskset -c "${MLX_RANK:-0}" "$@"', "sh", *me]
+        rows = [("one process", run("one process", pinned, env))]
         for label, extra in ((f"pipeline x{args.ranks}, micro-batched prompt", ["--split", "pipeline"]),
                              (f"pipeline x{args.ranks}, prompt in one piece", ["--split", "pipeline", "--whole"]),
                              (f"tensor x{args.ranks}", ["--split", "tensor"])):
             cmd = [launcher, "-n", str(args.ranks), "--backend", "ring", "--starting-port",
-                   str(free_port_block(args.ranks)), "--", *me, *extra]
+                   str(free_port_block(args.ranks)), "--", *pinned, *extra]
             rows.append((label, run(label, cmd, env)))
     base = rows[0][1]
     print(f"# {platform.machine()} {os.cpu_count()} cores, MLX {mx.__version__}, load {os.getloadavg()[0]:.1f}; "
-          f"Llama hidden {args.hidden}, {args.layers} layers, float32; prompt {args.prompt} tokens, {args.new} new")
+          f"Llama hidden {args.hidden}, {args.layers} layers, float32; prompt {args.prompt} tokens, {args.new} new"
+          + ("; one core and one BLAS thread per process" if args.one_core_each else ""))
     print(f"{'run':44s} {'prefill tok/s':>14s} {'ratio':>6s} {'decode tok/s':>13s} {'ratio':>6s}")
     for label, r in rows:
         print(f"{label:44s} {r['prefill_tps']:14.1f} {r['prefill_tps'] / base['prefill_tps']:6.2f} "
