@@ -30,6 +30,7 @@ import logging
 import time
 
 import mlx.core as mx
+import numpy as np
 
 log = logging.getLogger("metalnn.llm.server")
 
@@ -48,7 +49,7 @@ class Lockstep:
         self.leader = group.rank() == 0
 
     def _sum(self, values, n: int, dtype=mx.int32):
-        mine = mx.array(values, dtype=dtype) if self.leader else mx.zeros((n,), dtype)
+        mine = mx.array(np.asarray(values, dtype=np.int32)) if self.leader else mx.zeros((n,), dtype)
         out = mx.distributed.all_sum(mine, group=self.group)
         mx.eval(out)
         return out
@@ -57,8 +58,8 @@ class Lockstep:
         """Rank 0 sends ``message`` (JSON-able); every rank returns it."""
         data = json.dumps(message, separators=(",", ":")).encode() if self.leader else b""
         n = int(self._sum([len(data)], 1).item())
-        raw = self._sum(list(data), n)
-        return message if self.leader else json.loads(bytes(raw.astype(mx.uint8).tolist()).decode())
+        raw = self._sum(np.frombuffer(data, dtype=np.uint8), n)
+        return message if self.leader else json.loads(np.array(raw).astype(np.uint8).tobytes().decode())
 
     def share_tokens(self, tokens, done, rows: int) -> tuple[list, list]:
         """Rank 0's sampled ``tokens`` of ``rows`` rows and their ``done`` flags, on every rank."""
