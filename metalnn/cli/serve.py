@@ -83,8 +83,9 @@ def run(args):
 
     group = launch_group()
     if group is not None:
-        if args.draft_model or args.adapter:
-            raise CommandError("--draft-model and --adapter are not served over a model split over mlx.launch ranks")
+        if args.draft_model or args.adapter or args.prompt_cache_dir:
+            raise CommandError("--draft-model, --adapter and --prompt-cache-dir are not served over a model split "
+                               "over mlx.launch ranks")
         from ..llm.distributed import watch_peers
 
         watch_peers(group)

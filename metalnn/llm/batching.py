@@ -211,6 +211,11 @@ class BatchGenerator:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def rows(self) -> list:
+        """The running sequences, in row order (a copy)."""
+        return list(self._running)
+
     def __bool__(self):
         return bool(self._waiting or self._running or self._carry)
 

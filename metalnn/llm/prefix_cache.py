@@ -85,12 +85,21 @@ class PrefixCache:
     Args:
         max_bytes: the most bytes of cache arrays kept (least recently used entries are dropped).
         min_tokens: shorter matches are not worth using (and shorter sequences are not stored).
+
+        follower: keep every entry until `drop` removes it (no budget, no entry replaced by a longer
+            one): a cache that repeats another's removals.
+
+    ``evicted``: None, or a list to which the key (``(adapter, *tokens)``) of every entry removed or
+    refused is appended, so that a follower cache can `drop` the same ones at the same point (the
+    ranks of a split model keep rank 0's entries this way, `metalnn.llm.server.lockstep`).
     """
 
-    def __init__(self, max_bytes: int = 1 << 30, min_tokens: int = 16):
+    def __init__(self, max_bytes: int = 1 << 30, min_tokens: int = 16, *, follower: bool = False):
         if int(max_bytes) < 0:
             raise ValueError(f"PrefixCache: max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes, self.min_tokens = int(max_bytes), max(1, int(min_tokens))
+        self.follower = bool(follower)
+        self.evicted: list | None = None
         self._entries: OrderedDict = OrderedDict()  # key -> _Entry, least recently used first
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -119,25 +128,41 @@ class PrefixCache:
                 raise ValueError(f"PrefixCache.store: one sequence of {len(tokens)} positions is needed, got lengths "
                                  f"{lengths}")
         entry = _Entry(tokens, [_single(c, len(tokens)) for c in caches], adapter)
-        if entry.nbytes > self.max_bytes:
-            return False
         key = (adapter, *tokens)
+        if entry.nbytes > self.max_bytes and not self.follower:
+            self._removed([key])
+            return False
         with self._lock:
             self._entries.pop(key, None)
             # an entry that is a prefix of the new one (the same conversation, one turn earlier) is
             # covered by it unless recurrent states make exact lengths matter
-            if not entry.recurrent:
-                for k in [k for k in self._entries if k[0] == adapter and len(k) < len(key) and key[:len(k)] == k]:
+            if not entry.recurrent and not self.follower:
+                covered = [k for k in self._entries if k[0] == adapter and len(k) < len(key) and key[:len(k)] == k]
+                for k in covered:
                     del self._entries[k]
+                self._removed(covered)
             self._entries[key] = entry
-            self._evict()
+            if not self.follower:
+                self._evict()
         return True
+
+    def _removed(self, keys):
+        if self.evicted is not None:
+            self.evicted += keys
 
     def _evict(self):
         total = sum(e.nbytes for e in self._entries.values())
         while total > self.max_bytes and self._entries:
-            _, old = self._entries.popitem(last=False)
+            key, old = self._entries.popitem(last=False)
             total -= old.nbytes
+            self._removed([key])
+
+    def drop(self, keys):
+        """Remove the entries of ``keys`` (``(adapter, *tokens)`` each, as `evicted` lists them) that
+        are kept."""
+        with self._lock:
+            for key in keys:
+                self._entries.pop(tuple(key), None)
 
     def lookup(self, prompt, max_tokens: int | None = None, adapter: str | None = None):
         """``(n, caches)``: fresh per-layer caches holding the first ``n`` tokens of ``prompt`` (the

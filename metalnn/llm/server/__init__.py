@@ -163,8 +163,8 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None, group
 
     With ``group`` (the ``mx.distributed`` group of a run started by ``mlx.launch``), the model is split
     over its ranks as ``settings.split`` says; rank 0 serves, the others follow its batch until it
-    stops (`metalnn.llm.server.lockstep`). A split model is served without the prefix cache; a draft
-    model, named adapters and embeddings are refused.
+    stops (`metalnn.llm.server.lockstep`). A draft model, adapters, a prefix cache on disk and
+    embeddings are refused over a split model.
     """
     import uvicorn
 
@@ -175,9 +175,9 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None, group
     if group is not None:
         if settings.split not in ("pipeline", "tensor"):
             raise ValueError(f"ServerSettings.split: expected 'pipeline' or 'tensor', got {settings.split!r}")
-        if settings.draft_model or settings.adapter or settings.adapters:
-            raise ValueError("a model split over ranks is served without a draft model or LoRA adapters "
-                             "(--draft-model, --adapter)")
+        if settings.draft_model or settings.adapter or settings.adapters or settings.prompt_cache_dir:
+            raise ValueError("a model split over ranks is served without a draft model, LoRA adapters or a "
+                             "prefix cache on disk (--draft-model, --adapter, --prompt-cache-dir)")
         split = {settings.split: group}
     loaded = load_pretrained(model, **split)
     if group is not None and group.rank() != 0:

@@ -390,12 +390,12 @@ def create_app(model, tokenizer, settings, name: str, draft_model=None, adapters
     ``draft_model``: a loaded model for ``settings.draft_model``; ``adapters``: the
     `metalnn.llm.tuner.multi_lora.AdapterRows` of the named LoRA adapters installed in ``model``, each
     served as the model id of its name; ``group``: the ``mx.distributed`` group ``model`` is split over,
-    this process being its rank 0, see `metalnn.llm.server.lockstep`: no prefix cache, no embeddings).
+    this process being its rank 0, see `metalnn.llm.server.lockstep`: no embeddings, and the prefix
+    cache in memory only).
 
     The generation worker starts with the application and stops with it.
     """
-    use_cache = settings.prompt_cache_bytes and group is None
-    prefix_cache = PrefixCache(settings.prompt_cache_bytes) if use_cache else None
+    prefix_cache = PrefixCache(settings.prompt_cache_bytes) if settings.prompt_cache_bytes else None
     metrics = ServerMetrics()
     if prefix_cache is not None:
         metrics.watch_prefix_cache(prefix_cache)

@@ -11,6 +11,10 @@ and its `metalnn.llm.server.worker.GenerationWorker` as for one process; the oth
 * every rank then steps; the model's logits are the same on every rank, and the tokens are those rank 0
   sampled (its samplers, grammars and stop strings stay on rank 0): `Lockstep.share_tokens` sends them,
   with each row's "its grammar is complete" flag, to the others;
+* the prefix cache: every rank stores the same entries at the same points of a step (and looks up
+  before it stores, in a step); rank 0's cache alone decides what goes (its byte budget, entries
+  replaced by longer ones), and the followers' caches (``follower=True``) drop the same keys, in order
+  with the other changes, before anything looks them up;
 * when rank 0 has nothing to run it publishes an idle tick every ``idle_tick`` seconds at most (rising
   from 2 ms to 50 ms while it stays idle), and the followers sleep through most of each tick instead of
   spinning in a collective: a request reaching an idle server waits at most a tick's sleep for them;
@@ -19,8 +23,8 @@ and its `metalnn.llm.server.worker.GenerationWorker` as for one process; the oth
   ``mlx.launch`` turns into the end of the run.
 
 Messages are JSON, sent as ``int32`` byte values with ``mx.distributed.all_sum`` (the followers add
-zeros): a length, then the bytes. The prefix cache, a draft model, named adapters and embeddings are
-not served over a split model (the server refuses them when it starts / answers 400).
+zeros): a length, then the bytes. A draft model, named adapters, a prefix cache kept on disk and
+embeddings are not served over a split model (the server refuses them when it starts / answers 400).
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ class LeaderGenerator:
         self.generator, self.lockstep = generator, lockstep
         self._changes: list = []
         self.idle_tick = IDLE_TICK_MIN
+        self._cache = generator.prefix_cache
+        if self._cache is not None:
+            self._cache.evicted = []
 
     def __getattr__(self, name):
         return getattr(self.generator, name)
@@ -92,12 +99,22 @@ class LeaderGenerator:
 
     def cancel(self, uid: int) -> bool:
         self._changes.append(["cancel", int(uid)])
-        return self.generator.cancel(uid)
+        found = self.generator.cancel(uid)
+        self._note_evictions()
+        return found
 
     def step(self) -> list:
-        self.lockstep.publish({"changes": self._changes, "step": True})
+        self.lockstep.publish({"changes": self._changes, "step": True, "state": batch_state(self.generator)})
         self._changes, self.idle_tick = [], IDLE_TICK_MIN
-        return self.generator.step()
+        events = self.generator.step()
+        self._note_evictions()
+        return events
+
+    def _note_evictions(self):
+        """The prefix-cache keys rank 0 removed since the last look, as the next change."""
+        if self._cache is not None and self._cache.evicted:
+            self._changes.append(["evict", [list(k) for k in self._cache.evicted]])
+            self._cache.evicted = []
 
     def idle(self):
         """Tell the followers nothing runs for about ``idle_tick`` seconds (called when rank 0 waited
@@ -109,6 +126,15 @@ class LeaderGenerator:
     def stop(self):
         """End the followers' loops."""
         self.lockstep.publish({"changes": [], "stop": True})
+
+
+def batch_state(generator) -> list:
+    """What every rank's generator must agree on before a step (a follower that does not stops with an
+    error instead of waiting in a collective that never comes): ``[waiting, running, each running
+    row's length, prefix-cache entries]``."""
+    cache = generator.prefix_cache
+    return [generator.waiting, generator.running, [len(s.prompt) + len(s.tokens) for s in generator.rows],
+            len(cache) if cache is not None else -1]
 
 
 def leader_sample(lockstep: Lockstep, sample, finished):
@@ -131,9 +157,11 @@ class _Row:
 
 
 def follower_generator(model, lockstep: Lockstep, *, max_batch: int, prefill_chunk: int, prompt_lookup: bool,
-                       max_draft: int):
-    """The `metalnn.llm.batching.BatchGenerator` of a rank other than 0: its tokens are rank 0's."""
+                       max_draft: int, prefix_cache_min_tokens: int | None = None):
+    """The `metalnn.llm.batching.BatchGenerator` of a rank other than 0: its tokens are rank 0's, its
+    prefix cache (when rank 0 has one) drops what rank 0's drops."""
     from ..batching import BatchGenerator, PromptLookup
+    from ..prefix_cache import PrefixCache
 
     def sample(sequences, logits):
         mx.eval(logits)  # the collectives inside the model run on every rank
@@ -142,15 +170,20 @@ def follower_generator(model, lockstep: Lockstep, *, max_batch: int, prefill_chu
             seq.state.done = d
         return tokens
 
+    cache = None
+    if prefix_cache_min_tokens is not None:
+        cache = PrefixCache(min_tokens=prefix_cache_min_tokens, follower=True)
     return BatchGenerator(model, sample=sample, prefill_chunk=prefill_chunk, max_batch=max_batch,
                           drafter=PromptLookup() if prompt_lookup else None, max_draft=max_draft,
-                          can_draft=lambda seq: seq.state.can_draft, finished=lambda seq: seq.state.done)
+                          can_draft=lambda seq: seq.state.can_draft, finished=lambda seq: seq.state.done,
+                          prefix_cache=cache)
 
 
-def follow(model, group, *, sleep=time.sleep) -> int:
+def follow(model, group, *, sleep=time.sleep, lockstep=None) -> int:
     """Run a follower rank until rank 0 stops: returns the number of steps run. Rank 0's first message
-    gives the generator's settings (`GenerationWorker` sends them when it starts)."""
-    lockstep = Lockstep(group)
+    gives the generator's settings (`GenerationWorker` sends them when it starts). ``lockstep``: the
+    channel (default ``Lockstep(group)``)."""
+    lockstep = lockstep or Lockstep(group)
     hello = lockstep.publish()
     settings = hello["settings"]
     generator = follower_generator(model, lockstep, **settings)
@@ -161,12 +194,18 @@ def follow(model, group, *, sleep=time.sleep) -> int:
             if change[0] == "add":
                 _, prompt, max_tokens, eos, can_draft = change
                 generator.add(prompt, max_tokens, eos=eos, state=_Row(can_draft))
-            else:
+            elif change[0] == "cancel":
                 generator.cancel(change[1])
+            else:  # "evict": rank 0's prefix cache removed these entries
+                generator.prefix_cache.drop(change[1])
         if message.get("stop"):
             log.info("rank %d: rank 0 stopped after %d steps", group.rank(), steps)
             return steps
         if message.get("step"):
+            mine = batch_state(generator)
+            if mine != message["state"]:
+                raise RuntimeError(f"rank {group.rank()}'s batch is not rank 0's before step {steps + 1}: "
+                                   f"{mine} against {message['state']} (waiting, running, lengths, cached entries)")
             generator.step()
             steps += 1
         elif "idle" in message:

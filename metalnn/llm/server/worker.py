@@ -208,8 +208,8 @@ class GenerationWorker:
             may ask for; None: none).
         group: the ``mx.distributed`` group ``model`` is split over (this is rank 0; the other ranks
             run `metalnn.llm.server.lockstep.follow`); None: one process. A split model is served
-            without a prefix cache, a draft model or named adapters, and a failed step ends the
-            process (the other ranks cannot go on with it).
+            without a draft model, named adapters or a prefix cache on disk, and a failed step ends
+            the process (the other ranks cannot go on with it).
     """
 
     def __init__(self, model, tokenizer, max_queue: int = 16, *, max_batch: int = 8, prefix_cache=None,
@@ -226,10 +226,10 @@ class GenerationWorker:
             from ..batching import PromptLookup
             from .lockstep import Lockstep
 
-            if prefix_cache is not None or adapters is not None or (drafter is not None and
-                                                                     not isinstance(drafter, PromptLookup)):
-                raise ValueError("GenerationWorker: a model split over ranks is served without a prefix cache, "
-                                 "a draft model or named adapters")
+            if prompt_cache_dir or adapters is not None or (drafter is not None and
+                                                            not isinstance(drafter, PromptLookup)):
+                raise ValueError("GenerationWorker: a model split over ranks is served without a draft model, "
+                                 "named adapters or a prefix cache on disk")
             self.lockstep = Lockstep(group)
         self._fatal = fatal or _end_process
         self.eos = frozenset(getattr(model, "eos_token_ids", ()) or ()) | frozenset(tokenizer.eos_token_ids)
@@ -254,7 +254,8 @@ class GenerationWorker:
             return LeaderGenerator(BatchGenerator(
                 self.model, sample=leader_sample(self.lockstep, sample_rows, grammar_done),
                 prefill_chunk=self.prefill_chunk, max_batch=self.max_batch, drafter=self.drafter,
-                max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done), self.lockstep)
+                max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done,
+                prefix_cache=self.prefix_cache), self.lockstep)
         return BatchGenerator(self.model, sample=sample_rows, prefill_chunk=self.prefill_chunk,
                               max_batch=self.max_batch, prefix_cache=self.prefix_cache, drafter=self.drafter,
                               max_draft=self.max_draft, can_draft=plain_greedy, finished=grammar_done,
@@ -318,9 +319,11 @@ class GenerationWorker:
             except OSError as e:
                 log.warning("prompt cache: could not read %s: %s", self.prompt_cache_dir, e)
         if self.lockstep is not None:  # the followers build their generator as this one
+            cache = self.prefix_cache
             self.lockstep.publish({"settings": {"max_batch": self.max_batch, "prefill_chunk": self.prefill_chunk,
                                                 "prompt_lookup": self.drafter is not None,
-                                                "max_draft": self.max_draft}})
+                                                "max_draft": self.max_draft,
+                                                "prefix_cache_min_tokens": cache.min_tokens if cache is not None else None}})
         try:
             self._loop()
         finally:

@@ -101,6 +101,28 @@ def test_split_server_answers_as_one_process(split_server, one_process, tiny):
     assert got[3][0][1] == "stop" and not set(got[3][0][0]) & {"I", "g", "e", "a"}, got[3]
 
 
+def test_a_second_turn_starts_from_the_cached_first_on_every_rank(split_server, tiny):
+    """The prefix cache over a split model: the second turn of a chat reads the first turn's cached keys
+    and values on every rank (its usage reports them; a rank without them could not run the step) and
+    answers as the lone greedy reference."""
+    import metalnn as mn
+
+    model, tok = mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
+
+    def alone(messages, n):
+        return "".join(TextStream(model, tok, tok.apply_chat_template(messages), n, temperature=0.0))
+
+    client = openai.OpenAI(base_url=split_server.api, api_key="unused", max_retries=0, timeout=120)
+    first = [{"role": "system", "content": "You answer in one word. " * 12}, {"role": "user", "content": "Hi"}]
+    r1 = client.chat.completions.create(model="tiny", messages=first, max_tokens=12, temperature=0)
+    assert r1.choices[0].message.content == alone(first, 12)
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "More"}]
+    r2 = client.chat.completions.create(model="tiny", messages=second, max_tokens=12, temperature=0)
+    assert r2.choices[0].message.content == alone(second, 12)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+
+
 def test_split_server_health_and_refused_embeddings(split_server):
     assert split_server.health()["status"] == "ok"
     status, body = split_server.post("/v1/embeddings", b'{"model": "tiny", "input": "hello"}')
@@ -137,10 +159,47 @@ def test_what_a_split_model_is_not_served_with(tiny):
     from metalnn.llm.server.worker import GenerationWorker
 
     model, tok = mn.models.load_pretrained(tiny), mn.models.load_tokenizer(tiny)
-    with pytest.raises(ValueError, match="without a prefix cache, a draft model or named adapters"):
-        GenerationWorker(model, tok, prefix_cache=PrefixCache(1 << 20), group=_Rank0Of2())
-    for settings in (ServerSettings(draft_model=str(tiny)), ServerSettings(adapter="somewhere")):
-        with pytest.raises(ValueError, match="without a draft model or LoRA adapters"):
+    with pytest.raises(ValueError, match="without a draft model, named adapters or a prefix cache on disk"):
+        GenerationWorker(model, tok, prefix_cache=PrefixCache(1 << 20), prompt_cache_dir="somewhere",
+                         group=_Rank0Of2())
+    for settings in (ServerSettings(draft_model=str(tiny)), ServerSettings(adapter="somewhere"),
+                     ServerSettings(prompt_cache_dir="somewhere")):
+        with pytest.raises(ValueError, match="without a draft model, LoRA adapters or a prefix cache on disk"):
             serve(tiny, settings, group=_Rank0Of2())
     with pytest.raises(ValueError, match="expected 'pipeline' or 'tensor', got 'rows'"):
         serve(tiny, ServerSettings(split="rows"), group=_Rank0Of2())
+
+
+class _Script:
+    """Rank 0's messages, as a follower's `Lockstep` would receive them."""
+
+    def __init__(self, messages):
+        self.messages = list(messages)
+
+    def publish(self, message=None):
+        return self.messages.pop(0)
+
+
+def test_a_follower_stops_when_its_batch_is_not_rank_0s(tiny):
+    """A follower checks its batch against rank 0's before each step and raises, naming both, rather
+    than wait in a collective that rank 0 will never enter; idle ticks make it sleep, ``stop`` ends it."""
+    import metalnn as mn
+    from metalnn.llm.server.lockstep import IDLE_SLEEP, follow
+
+    model = mn.models.load_pretrained(tiny)
+    hello = {"settings": {"max_batch": 4, "prefill_chunk": 8, "prompt_lookup": False, "max_draft": 4,
+                          "prefix_cache_min_tokens": None}}
+    slept = []
+    assert follow(model, _Rank1Of2(), sleep=slept.append, lockstep=_Script(
+        [hello, {"changes": [], "idle": 0.01}, {"changes": [], "stop": True}])) == 0
+    assert slept == [IDLE_SLEEP * 0.01]
+    add = ["add", [5, 6, 7], 4, [], False]
+    wrong = {"changes": [add], "step": True, "state": [0, 1, [3], -1]}  # rank 0 already runs it; here it waits
+    with pytest.raises(RuntimeError, match=r"rank 1's batch is not rank 0's before step 1: \[1, 0, \[\], -1\] "
+                                           r"against \[0, 1, \[3\], -1\]"):
+        follow(model, _Rank1Of2(), lockstep=_Script([hello, wrong]))
+
+
+class _Rank1Of2(_Rank0Of2):
+    def rank(self):
+        return 1
