@@ -8,8 +8,9 @@ embeds the tokens), runs its blocks with its own caches and sends the result to 
 last rank applies the norm and the head, and the logits are summed over the group with every other
 rank contributing zeros (exact), so every rank gets the same logits and samples the same tokens.
 Caches are per rank for its own blocks; the blocks a rank does not hold (`PipelinePeer`) keep a
-one-value key per position in their cache, so that offsets, per-row lengths, joining and dropping
-rows (`metalnn.layers.batch_cache`) stay the same on every rank at no real cost.
+one-value key per position in their attention cache, or a one-value state per row in their recurrent
+cache (`StateCache`: hybrid models), so that offsets, per-row lengths, joining and dropping rows
+(`metalnn.layers.batch_cache`) and the prefix cache's rules stay the same on every rank at no real cost.
 
 Ordering of the point-to-point messages in MLX's lazy graph: a send is tied to the cache of the
 rank's last block (``mx.depends``), so evaluating the caches (a prefill whose logits are never
@@ -25,23 +26,38 @@ from ...data import Data, MTLSize
 from ...errors import UnsupportedConfigError
 from ...layers.attention import KVCache
 from ...layers.base import Layer
+from ...layers.state_cache import StateCache
 from .placement import balance
 
 
+def _cache_arrays(cache) -> list:
+    """The arrays a layer's cache holds (none before its first tokens)."""
+    if isinstance(cache, KVCache):
+        return [cache.keys] if cache.keys is not None else []
+    if isinstance(cache, StateCache):
+        return cache.state
+    return []
+
+
 class PipelinePeer(Layer):
-    """Stands for a decoder block another rank holds: its output is its input, and with a `KVCache`
-    it appends one zero key / value of width 1 per position (the cache's bookkeeping stays that of
-    the real block's, for ``cache[0].offset``, ragged rows and `merge_rows` / `keep_rows`)."""
+    """Stands for a decoder block another rank holds: its output is its input. With a `KVCache` it
+    appends one zero key / value of width 1 per position; with a `StateCache` (a recurrent mixer) it
+    holds a zero of shape ``[B, 1]`` in each field and counts the tokens. The cache's bookkeeping
+    stays that of the real block's (``cache[0].offset``, ragged rows, `merge_rows` / `keep_rows`)."""
 
     def __init__(self, index: int):
         super().__init__()
         self.index = int(index)
 
     def forward(self, device, data, cache=None):
+        d = data.dims
         if isinstance(cache, KVCache):
-            d = data.dims
             z = mx.zeros((d.D, 1, d.H, 1), data.array.dtype)
             cache.update_and_fetch(z, z)
+        elif isinstance(cache, StateCache):
+            for name in cache.fields:
+                setattr(cache, name, mx.zeros((d.D, 1), data.array.dtype))
+            cache.offset += d.H
         return data
 
     def _extra_repr(self):
@@ -93,9 +109,9 @@ class PipelineStack(Layer):
             x = x.astype(self.act_dtype)
         else:
             template = mx.zeros((b, t, self.hidden_size), self.act_dtype)
-            first = cache[self.start] if cache is not None else None
-            if isinstance(first, KVCache) and first.keys is not None:
-                template = mx.depends(template, first.keys)   # after the previous call's receive
+            held = _cache_arrays(cache[self.start]) if cache is not None else []
+            if held:
+                template = mx.depends(template, held)   # after the previous call's receive
             x = mx.distributed.recv_like(template, self.rank - 1, group=self.group)
         h = Data(x, dims)
         for i, layer in enumerate(self.layers):
@@ -106,6 +122,9 @@ class PipelineStack(Layer):
         last = cache[self.end - 1] if cache is not None else None
         if isinstance(last, KVCache) and last.keys is not None:
             last.keys = mx.depends(last.keys, sent)
+        elif isinstance(last, StateCache) and last.filled:  # evaluating the state performs the send
+            name = last.fields[0]
+            setattr(last, name, mx.depends(getattr(last, name), sent))
         return Data(sent, dims)
 
     def _extra_repr(self):
@@ -158,9 +177,10 @@ def pipeline_model(model, group, dtype):
     if type(stack) is not DecoderStack or model.backbone is not model.get("model"):
         raise UnsupportedConfigError(f"{model.architecture}: pipeline parallelism runs models built on a "
                                      f"DecoderStack (model.embed_tokens, model.layers, model.norm)")
-    if not all(type(c) is KVCache for c in model.make_cache()):
-        raise UnsupportedConfigError(f"{model.architecture}: pipeline parallelism runs attention-only models "
-                                     f"(its caches are not all KVCache)")
+    kinds = {type(c).__name__ for c in model.make_cache() if not isinstance(c, (KVCache, StateCache))}
+    if kinds:
+        raise UnsupportedConfigError(f"{model.architecture}: pipeline parallelism runs models whose layers cache "
+                                     f"keys and values or recurrent states, not {sorted(kinds)}")
     size, rank = group.size(), group.rank()
     if size > model.num_layers:
         raise UnsupportedConfigError(f"{model.architecture}: {size} pipeline ranks for {model.num_layers} blocks")

@@ -46,8 +46,9 @@ def launch(n, kind, out, models, *extra, timeout=300):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """``{name: path}``: a dense Llama and a Qwen3-MoE (tied head, one dense layer) as safetensors
-    folders, and a Llama GGUF file with quantized tensors (Q4_0 ... Q8_0, F16, BF16)."""
+    """``{name: path}``: a dense Llama, a Qwen3-MoE (tied head, one dense layer) and a Qwen3.5 hybrid
+    (Gated DeltaNet layers between attention layers: recurrent caches) as safetensors folders, and a
+    Llama GGUF file with quantized tensors (Q4_0 ... Q8_0, F16, BF16)."""
     root = tmp_path_factory.mktemp("ckpt")
     llama = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, vocab_size=worker.VOCAB,
                      hidden_size=48, intermediate_size=80, num_hidden_layers=6, num_attention_heads=6,
@@ -58,6 +59,14 @@ def checkpoints(tmp_path_factory):
                    num_key_value_heads=6, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                    norm_topk_prob=True, mlp_only_layers=[2], tie_word_embeddings=True, max_position_embeddings=256)
     moe.save_pretrained(root / "moe")
+    hybrid = hf_model(transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, vocab_size=worker.VOCAB,
+                      hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                      initializer_range=0.2, layer_types=["linear_attention", "full_attention"] * 3,
+                      max_position_embeddings=256, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    hybrid.save_pretrained(root / "hybrid")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -65,7 +74,7 @@ def checkpoints(tmp_path_factory):
                                    pad_token_id=None)
     gguf_model = transformers.LlamaForCausalLM(cfg).eval()
     gguf_files.write(root / "llama.gguf", gguf_model, arch="llama")
-    return {"llama": root / "llama", "moe": root / "moe", "gguf": root / "llama.gguf"}
+    return {"llama": root / "llama", "moe": root / "moe", "hybrid": root / "hybrid", "gguf": root / "llama.gguf"}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +119,7 @@ def expected_reads(path, blocks, rank, size, tied):
     return want
 
 
-CASES = [("pipeline", 2, ("llama", "moe", "gguf")), ("pipeline", 3, ("llama", "moe", "gguf")),
+CASES = [("pipeline", 2, ("llama", "moe", "gguf", "hybrid")), ("pipeline", 3, ("llama", "moe", "gguf", "hybrid")),
          ("tensor", 2, ("llama", "moe", "gguf")), ("tensor", 3, ("llama", "moe"))]
 
 

@@ -203,3 +203,51 @@ def test_a_follower_stops_when_its_batch_is_not_rank_0s(tiny):
 class _Rank1Of2(_Rank0Of2):
     def rank(self):
         return 1
+
+
+def test_a_hybrid_model_split_in_a_pipeline_serves_the_lone_answers(tmp_path):
+    """A Qwen3.5 hybrid (Gated DeltaNet layers between attention layers) split over 2 pipeline ranks:
+    the blocks a rank does not hold keep recurrent-cache bookkeeping, so concurrent greedy chats
+    (rows joining and leaving the batch) and a second turn from the prefix cache (recurrent entries
+    match whole) give `TextStream`'s lone answers."""
+    import transformers
+
+    import metalnn as mn
+    from app_models import tiny_tokenizer
+    from hf_models import hf_model
+
+    tok = tiny_tokenizer()
+    hf = hf_model(transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, vocab_size=tok.vocab_size,
+                  hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, initializer_range=0.2,
+                  layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=4096,
+                  tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    folder = tmp_path / "tiny"
+    hf.save_pretrained(folder)
+    tok.save(folder)
+    model, tok = mn.models.load_pretrained(folder), mn.models.load_tokenizer(folder)
+
+    def alone(messages, n):
+        return "".join(TextStream(model, tok, tok.apply_chat_template(messages), n, temperature=0.0))
+
+    chats = [[{"role": "user", "content": w * 3}] for w in ("red ", "blue ", "green ")]
+    with running_server(folder, tmp_path / "logs", "--split", "pipeline", ranks=2) as server:
+        client = openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=120)
+
+        def chat(messages, n=16):
+            r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0)
+            return r.choices[0].message.content, r.usage
+
+        with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
+            got = [text for text, _ in pool.map(chat, chats)]
+        assert got == [alone(c, 16) for c in chats]
+        first = [{"role": "system", "content": "Be brief. " * 10}, {"role": "user", "content": "Hi"}]
+        text1, usage1 = chat(first, 8)
+        second = first + [{"role": "assistant", "content": text1}, {"role": "user", "content": "More"}]
+        text2, usage2 = chat(second, 8)
+        assert (text1, text2) == (alone(first, 8), alone(second, 8))
+        assert usage2.prompt_tokens_details.cached_tokens >= usage1.prompt_tokens
+        assert server.stop() == 0, server.logs()
+        assert "Traceback" not in server.logs(), server.logs()
