@@ -39,6 +39,20 @@ def _cache_arrays(cache) -> list:
     return []
 
 
+def _tie_to_cache(caches, sent):
+    """Make evaluating the last of ``caches`` that holds an array (blocks without one: an MLP-only
+    layer's empty cache) perform the send ``sent``."""
+    for c in reversed(caches):
+        if isinstance(c, KVCache) and c.keys is not None:
+            c.keys = mx.depends(c.keys, sent)
+            return
+        if isinstance(c, StateCache):
+            name = next((n for n in c.fields if getattr(c, n) is not None), None)
+            if name is not None:
+                setattr(c, name, mx.depends(getattr(c, name), sent))
+                return
+
+
 class PipelinePeer(Layer):
     """Stands for a decoder block another rank holds: its output is its input. With a `KVCache` it
     appends one zero key / value of width 1 per position; with a `StateCache` (a recurrent mixer) it
@@ -109,7 +123,7 @@ class PipelineStack(Layer):
             x = x.astype(self.act_dtype)
         else:
             template = mx.zeros((b, t, self.hidden_size), self.act_dtype)
-            held = _cache_arrays(cache[self.start]) if cache is not None else []
+            held = [a for c in cache[self.start:self.end] for a in _cache_arrays(c)] if cache is not None else []
             if held:
                 template = mx.depends(template, held)   # after the previous call's receive
             x = mx.distributed.recv_like(template, self.rank - 1, group=self.group)
@@ -119,12 +133,8 @@ class PipelineStack(Layer):
         if self.is_last:
             return self.compile_child(self.norm, device, h)
         sent = mx.distributed.send(h.array, self.rank + 1, group=self.group)
-        last = cache[self.end - 1] if cache is not None else None
-        if isinstance(last, KVCache) and last.keys is not None:
-            last.keys = mx.depends(last.keys, sent)
-        elif isinstance(last, StateCache) and last.filled:  # evaluating the state performs the send
-            name = last.fields[0]
-            setattr(last, name, mx.depends(getattr(last, name), sent))
+        if cache is not None:
+            _tie_to_cache(cache[self.start:self.end], sent)
         return Data(sent, dims)
 
     def _extra_repr(self):

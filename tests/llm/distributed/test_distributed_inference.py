@@ -46,9 +46,10 @@ def launch(n, kind, out, models, *extra, timeout=300):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """``{name: path}``: a dense Llama, a Qwen3-MoE (tied head, one dense layer) and a Qwen3.5 hybrid
-    (Gated DeltaNet layers between attention layers: recurrent caches) as safetensors folders, and a
-    Llama GGUF file with quantized tensors (Q4_0 ... Q8_0, F16, BF16)."""
+    """``{name: path}``: a dense Llama, a Qwen3-MoE (tied head, one dense layer), a Qwen3.5 hybrid
+    (Gated DeltaNet layers between attention layers) and a Nemotron-H (Mamba2, attention and MLP
+    layers): the last two with recurrent caches; safetensors folders, and a Llama GGUF file with
+    quantized tensors (Q4_0 ... Q8_0, F16, BF16)."""
     root = tmp_path_factory.mktemp("ckpt")
     llama = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, vocab_size=worker.VOCAB,
                      hidden_size=48, intermediate_size=80, num_hidden_layers=6, num_attention_heads=6,
@@ -67,6 +68,11 @@ def checkpoints(tmp_path_factory):
                       max_position_embeddings=256, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     hybrid.save_pretrained(root / "hybrid")
+    mamba = hf_model(transformers.NemotronHConfig, transformers.NemotronHForCausalLM, vocab_size=worker.VOCAB,
+                     hidden_size=32, num_attention_heads=4, head_dim=8, intermediate_size=24, mamba_head_dim=16,
+                     chunk_size=8, hybrid_override_pattern="-M*M-M", num_key_value_heads=1, mamba_num_heads=4,
+                     ssm_state_size=5, n_groups=1, conv_kernel=3, initializer_range=0.15)
+    mamba.save_pretrained(root / "mamba")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -74,7 +80,8 @@ def checkpoints(tmp_path_factory):
                                    pad_token_id=None)
     gguf_model = transformers.LlamaForCausalLM(cfg).eval()
     gguf_files.write(root / "llama.gguf", gguf_model, arch="llama")
-    return {"llama": root / "llama", "moe": root / "moe", "hybrid": root / "hybrid", "gguf": root / "llama.gguf"}
+    return {"llama": root / "llama", "moe": root / "moe", "hybrid": root / "hybrid", "mamba": root / "mamba",
+            "gguf": root / "llama.gguf"}
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +114,10 @@ def expected_reads(path, blocks, rank, size, tied):
     """The tensors a pipeline rank holding ``blocks`` must read (and no others)."""
     want = set()
     for name in checkpoint_names(path):
-        m = re.match(r"^(?:model\.layers|blk)\.(\d+)\.", name)
+        m = re.match(r"^(?:model\.layers|backbone\.layers|blk)\.(\d+)\.", name)
         if m:
             keep = blocks[0] <= int(m.group(1)) < blocks[1]
-        elif name in ("token_embd.weight", "model.embed_tokens.weight"):
+        elif name in ("token_embd.weight", "model.embed_tokens.weight", "backbone.embeddings.weight"):
             keep = rank == 0 or (tied and rank == size - 1)
         else:  # final norm, head (rope factors: none in these files)
             keep = rank == size - 1
@@ -119,7 +126,8 @@ def expected_reads(path, blocks, rank, size, tied):
     return want
 
 
-CASES = [("pipeline", 2, ("llama", "moe", "gguf", "hybrid")), ("pipeline", 3, ("llama", "moe", "gguf", "hybrid")),
+PIPELINE = ("llama", "moe", "gguf", "hybrid", "mamba")
+CASES = [("pipeline", 2, PIPELINE), ("pipeline", 3, PIPELINE),
          ("tensor", 2, ("llama", "moe", "gguf")), ("tensor", 3, ("llama", "moe"))]
 
 
