@@ -18,6 +18,8 @@ and its `metalnn.llm.server.worker.GenerationWorker` as for one process; the oth
 * when rank 0 has nothing to run it publishes an idle tick every ``idle_tick`` seconds at most (rising
   from 2 ms to 50 ms while it stays idle), and the followers sleep through most of each tick instead of
   spinning in a collective: a request reaching an idle server waits at most a tick's sleep for them;
+* each step's message carries rank 0's batch (`batch_state`); a follower whose own differs raises,
+  naming both, instead of waiting in a collective rank 0 will never enter;
 * ``stop`` ends the followers when rank 0's worker stops. A rank that dies ends the others
   (`metalnn.llm.distributed.watch_peers`); a failed step on any rank ends that rank with an error, which
   ``mlx.launch`` turns into the end of the run.
