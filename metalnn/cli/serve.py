@@ -82,13 +82,6 @@ def run(args):
     from .common import launch_group
 
     group = launch_group()
-    if group is not None:
-        if args.draft_model or args.adapter or args.prompt_cache_dir:
-            raise CommandError("--draft-model, --adapter and --prompt-cache-dir are not served over a model split "
-                               "over mlx.launch ranks")
-        from ..llm.distributed import watch_peers
-
-        watch_peers(group)
     from ..llm.server import ServerSettings, serve
     from ..llm.server.auth import load_api_key
 

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 import metalnn as mn
 
 from kernel_cases import emulate, reference
+from layer_checks import assert_layer_matches_torch, rel_close
 
 import transformers.models.qwen3_next.modeling_qwen3_next as hf  # noqa: E402
 from transformers import Qwen3NextConfig  # noqa: E402
@@ -46,13 +47,6 @@ def metalnn_block(block, device, T, B, mode="auto"):
     return layer
 
 
-def rel_close(got, want, tol=TOL, name=""):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-12)
-    assert err < tol, f"{name}: max error {err:.3g} relative to max |ref|"
-
-
 @pytest.mark.parametrize("kernels,mode,T", [("reference", "auto", 19), ("reference", "recurrent", 7),
                                             ("emulate", "auto", 11)])
 def test_matches_qwen3_next_forward_and_gradients(kernels, mode, T):
@@ -60,27 +54,7 @@ def test_matches_qwen3_next_forward_and_gradients(kernels, mode, T):
     block = hf_block()
     device = reference() if kernels == "reference" else emulate()
     layer = metalnn_block(block, device, T, B, mode)
-    rng = np.random.default_rng(T)
-    x = rng.normal(size=(B, T, HIDDEN)).astype(np.float32)
-    cot = rng.normal(size=(B, T, HIDDEN)).astype(np.float32)
-
-    out = layer.compile(device, mn.Data(mx.array(x)))
-    assert tuple(out.dims) == (HIDDEN, T, B)
-    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    yt = block(xt)
-    rel_close(out.array, yt.detach().numpy(), name="y")
-
-    (yt * torch.tensor(cot, dtype=torch.float64)).sum().backward()
-
-    def loss(params, x_):
-        layer.update(params)
-        return (layer.compile(device, mn.Data(x_)).array * mx.array(cot)).sum()
-
-    gp, gx = mx.grad(loss, argnums=(0, 1))(layer.trainable_parameters(), mx.array(x))
-    rel_close(gx, xt.grad.numpy(), name="dx")
-    ref_params = dict(block.named_parameters())
-    for name, g in tree_flatten(gp):
-        rel_close(g, ref_params[name].grad.numpy(), name=name)
+    assert_layer_matches_torch(layer, block, device, B, T, HIDDEN, TOL)
 
 
 @pytest.mark.parametrize("kernels", ["reference", "emulate"])
@@ -124,7 +98,7 @@ def test_cache_matches_transformers_final_state():
     finally:
         hf.torch_chunk_gated_delta_rule = original
     assert "state" in captured, "transformers no longer calls torch_chunk_gated_delta_rule by that name"
-    rel_close(cache.recurrent_state, captured["state"].detach().numpy(), name="state")
+    rel_close(cache.recurrent_state, captured["state"].detach().numpy(), TOL, name="state")
 
 
 def test_bad_head_counts_are_reported():

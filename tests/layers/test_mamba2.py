@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 import metalnn as mn
 
 from kernel_cases import emulate, reference
+from layer_checks import assert_layer_matches_torch, rel_close
 
 from transformers import GraniteMoeHybridConfig  # noqa: E402
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf  # noqa: E402
@@ -61,13 +62,6 @@ def metalnn_block(name, block, cfg, device, T, B, mode="auto"):
     return layer
 
 
-def rel_close(got, want, tol=TOL, name=""):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-12)
-    assert err < tol, f"{name}: max error {err:.3g} relative to max |ref|"
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("kernels,mode,T", [("reference", "auto", 19), ("reference", "recurrent", 7),
                                             ("emulate", "auto", 11)])
@@ -76,28 +70,7 @@ def test_matches_transformers_forward_and_gradients(name, kernels, mode, T):
     block, cfg = hf_block(name)
     device = reference() if kernels == "reference" else emulate()
     layer = metalnn_block(name, block, cfg, device, T, B, mode)
-    rng = np.random.default_rng(T)
-    x = rng.normal(size=(B, T, HIDDEN)).astype(np.float32)
-    cot = rng.normal(size=(B, T, HIDDEN)).astype(np.float32)
-
-    out = layer.compile(device, mn.Data(mx.array(x)))
-    assert tuple(out.dims) == (HIDDEN, T, B)
-    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    yt = block(xt)
-    rel_close(out.array, yt.detach().numpy(), name="y")
-
-    (yt * torch.tensor(cot, dtype=torch.float64)).sum().backward()
-
-    def loss(params, x_):
-        layer.update(params)
-        return (layer.compile(device, mn.Data(x_)).array * mx.array(cot)).sum()
-
-    gp, gx = mx.grad(loss, argnums=(0, 1))(layer.trainable_parameters(), mx.array(x))
-    rel_close(gx, xt.grad.numpy(), name="dx")
-    ref_params = dict(block.named_parameters())
-    assert len(tree_flatten(gp)) == len(ref_params)
-    for pname, g in tree_flatten(gp):
-        rel_close(g, ref_params[pname].grad.numpy(), name=pname)
+    assert_layer_matches_torch(layer, block, device, B, T, HIDDEN, TOL)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -143,7 +116,7 @@ def test_cache_matches_transformers_state():
             else hf_cache.get_recurrent_state(0, state_idx=0).clone()
         y = block(torch.tensor(x[:, T:]), cache=hf_cache)
     assert state.shape == tuple(cache.ssm_state.shape)
-    rel_close(step, y.numpy(), name="step")
+    rel_close(step, y.numpy(), TOL, name="step")
 
 
 def test_bad_sizes_are_reported():

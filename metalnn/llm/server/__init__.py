@@ -163,7 +163,8 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None, group
 
     With ``group`` (the ``mx.distributed`` group of a run started by ``mlx.launch``), the model is split
     over its ranks as ``settings.split`` says; rank 0 serves, the others follow its batch until it
-    stops (`metalnn.llm.server.lockstep`). A draft model, adapters, a prefix cache on disk and
+    stops (`metalnn.llm.server.lockstep`), and a rank that dies ends the others
+    (`metalnn.llm.distributed.watch_peers`). A draft model, adapters, a prefix cache on disk and
     embeddings are refused over a split model.
     """
     import uvicorn
@@ -179,6 +180,9 @@ def serve(model, settings: ServerSettings | None = None, *, announce=None, group
             raise ValueError("a model split over ranks is served without a draft model, LoRA adapters or a "
                              "prefix cache on disk (--draft-model, --adapter, --prompt-cache-dir)")
         split = {settings.split: group}
+        from ..distributed import watch_peers
+
+        watch_peers(group)
     loaded = load_pretrained(model, **split)
     if group is not None and group.rank() != 0:
         from .lockstep import follow

@@ -139,6 +139,11 @@ class _Rank0Of2:
         return 2
 
 
+class _Rank1Of2(_Rank0Of2):
+    def rank(self):
+        return 1
+
+
 def test_what_a_split_model_is_not_served_with(tiny):
     import metalnn as mn
     from metalnn.llm.prefix_cache import PrefixCache
@@ -186,10 +191,6 @@ def test_a_follower_stops_when_its_batch_is_not_rank_0s(tiny):
                                            r"against \[0, 1, \[3\], -1\]"):
         follow(model, _Rank1Of2(), lockstep=_Script([hello, wrong]))
 
-
-class _Rank1Of2(_Rank0Of2):
-    def rank(self):
-        return 1
 
 
 def test_a_hybrid_model_split_in_a_pipeline_serves_the_lone_answers_until_a_rank_dies(tmp_path):
