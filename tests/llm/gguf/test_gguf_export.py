@@ -169,7 +169,14 @@ def test_mix_types_match_llama_quantize_on_smollm2():
 
 def test_smollm2_export_loads_and_matches(tmp_path):
     """SmolLM2 (Q4_1 file, dequantized) exported to Q8_0 by the command: llama.cpp's metadata and
-    tokenizer copied, and metalnn's reading of the export equals transformers' reading of it."""
+    tokenizer copied; every tensor, as gguf-py dequantizes it, is the source's within Q8_0's rounding
+    (half a step, amax / 254 of its block; checked as relative RMS <= 1%: measured 0 to 0.65%, the same
+    every run: one file, one rounding), so names,
+    shapes and layouts survive; metalnn's reading of the export decodes as the source's.
+    (transformers' reading of a Q8_0 export equals metalnn's in `test_quantized_exports_read_back_exactly_and_stay_close`
+    on the small models; on this file it takes transformers half a minute to parse the vocabulary.)"""
+    from gguf import dequantize
+
     from metalnn.llm.bundled import smollm2_path
 
     src = smollm2_path()
@@ -181,13 +188,18 @@ def test_smollm2_export_loads_and_matches(tmp_path):
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "llama.block_count",
                 "llama.rope.freq_base", "llama.attention.head_count_kv", "llama.context_length"):
         assert got.fields[key].contents() == want.fields[key].contents(), key
+    sources = {t.name: t for t in want.tensors}
+    for t in got.tensors:
+        a = dequantize(sources[t.name].data, sources[t.name].tensor_type).astype(np.float64)
+        b = dequantize(t.data, t.tensor_type).astype(np.float64)
+        assert a.shape == b.shape, t.name
+        rel = np.sqrt(np.mean((a - b) ** 2) / max(np.mean(a ** 2), 1e-30))
+        assert rel <= 0.01, f"{t.name}: relative RMS error {rel:.4f} against the source"
     original, exported = load_tokenizer(src), load_tokenizer(out)
     for text in G.SAMPLES:
         assert exported.encode(text) == original.encode(text)
     tokens = [original.encode("In the beginning God created the heaven and the earth.")]
-    theirs = _hf_logits(out, tokens)
     ours = _logits(load_pretrained(out), tokens)
-    np.testing.assert_allclose(ours, theirs, atol=1e-3, rtol=0)
     base = _logits(load_pretrained(src), tokens)  # the Q4_1 model the export started from
     assert (ours.argmax(-1) == base.argmax(-1)).mean() >= 0.9
 

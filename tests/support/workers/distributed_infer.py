@@ -8,6 +8,9 @@ loads each model's part (``load_pretrained(path, KIND=group)``) and runs the sam
 of `NEW_LONG` tokens from `LONG` (a prompt a pipeline runs as micro-batches: ``"spans"``), and writes ``OUT_DIR/rank<r>.json`` (per model: the greedy tokens, its parameter bytes, the checkpoint
 tensors it read, its blocks) and ``OUT_DIR/rank<r>_<i>.npy`` (model ``i``'s logits).
 
+``--new N``: generate N tokens from `PROMPT` and `PROMPTS` instead of `NEW` (greedy tokens are a prefix
+of the longer run's).
+
 ``--die-at CALL``: rank 1 kills itself (SIGKILL) at its CALL-th call of the first model, in the middle
 of the generation; the other ranks must stop with an error naming it (`watch_peers`).
 """
@@ -41,6 +44,7 @@ def main():
     p.add_argument("out", type=Path)
     p.add_argument("models", nargs="+")
     p.add_argument("--die-at", type=int, default=None)
+    p.add_argument("--new", type=int, default=NEW, help="tokens generated from PROMPT and PROMPTS")
     args = p.parse_args()
     group = mx.distributed.init()
     rank = group.rank()
@@ -62,8 +66,8 @@ def main():
         logits = model(mx.array(TOKENS))
         mx.eval(logits)
         np.save(args.out / f"rank{rank}_{i}.npy", np.array(logits))
-        one = mn.generate(model, PROMPT, max_new_tokens=NEW)
-        three = mn.generate(model, mx.array(PROMPTS), max_new_tokens=NEW)
+        one = mn.generate(model, PROMPT, max_new_tokens=args.new)
+        three = mn.generate(model, mx.array(PROMPTS), max_new_tokens=args.new)
         long = mn.generate(model, LONG, max_new_tokens=NEW_LONG)
         report["models"].append({"greedy1": [int(t) for t in one], "greedy3": np.array(three).tolist(),
                                  "long": [int(t) for t in long], "spans": model.prefill_spans(len(LONG) - 1),
