@@ -211,6 +211,30 @@ def test_single_step_matches_op_by_op_block_with_gelu_and_partial_interleaved_ro
     np.testing.assert_allclose(np.array(fused.state[0]), np.array(ref.state[0]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [12, 40, 64, 128, 264])
+def test_attention_over_a_long_cache_matches_op_by_op(head_dim):
+    """The step's attention kernels (decode_attention.h): the AVX2 one for head sizes that are a
+    multiple of 8 up to 256 (64 and 128 compiled for their size, 40 the general one), the portable
+    loop for 12 and 264; 2 query heads a key/value head, 300 cached positions. Tolerance as the other
+    single-step checks (1e-4 of the output's scale): float32 sums of <= 300 terms in another order."""
+    heads = 4
+    block = mn.layers.TransformerBlock(heads, 48, num_kv_heads=2)
+    x = mx.random.normal((2, 301, heads * head_dim), key=mx.random.key(head_dim))
+    block(x[:, :2])
+    from mlx.utils import tree_flatten, tree_unflatten
+    params = tree_flatten(block.parameters())
+    block.update(tree_unflatten([(k, mx.random.normal(v.shape, key=mx.random.key(i)) * 0.3 + (1.0 if "norm" in k else 0.0))
+                                 for i, (k, v) in enumerate(params)]))
+    ref, fused = KVCache(), KVCache()
+    dev = mn.Device(kernels="reference")
+    block(x[:, :300], cache=ref, device=dev)
+    block(x[:, :300], cache=fused, device=dev)
+    want = block(x[:, 300:], cache=ref, device=dev)
+    got = block(x[:, 300:], cache=fused)
+    assert "DecoderBlockStep" in node_names(got)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
+
+
 def test_new_weights_reach_the_fused_step(tmp_path):
     # the block's plan is cached until a parameter is assigned: loading other weights must be seen
     hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)

@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_attention.h"
 #include "ggml_product.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -192,14 +193,6 @@ void rope_heads(float* x, int64_t count, const BlockSpec& sp, const std::vector<
   }
 }
 
-inline float activation(float g, bool gelu) {
-  if (gelu) {
-    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g)));
-  }
-  return g / (1.0f + std::exp(-g));
-}
-
 // The block for M sequences (one new position each); see the file comment.
 // `data[i]`: input i's values, row-major (the cache inputs are read through the outputs).
 void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std::vector<const void*>& data,
@@ -275,34 +268,15 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
     for (size_t mh = a; mh < b; ++mh) {
       const int64_t m = static_cast<int64_t>(mh) / H, hh = static_cast<int64_t>(mh) % H, g = hh / rep;
       const int64_t pm = position(m), start = sp.window > 0 ? std::max<int64_t>(0, pm - sp.window + 1) : 0;
-      const int64_t len = pm - start + 1;
-      const float* qv = q.data() + (m * H + hh) * hd;
-      const float* kb = kc + ((m * G + g) * cap + start) * hd;
-      const float* vb = vc + ((m * G + g) * cap + start) * hd;
-      const float* knew = k.data() + (m * G + g) * hd;
-      const float* vnew = v.data() + (m * G + g) * hd;
-      const auto key = [&](int64_t j) { return j + 1 < len ? kb + j * hd : knew; };
-      const auto value = [&](int64_t j) { return j + 1 < len ? vb + j * hd : vnew; };
-      float mx_s = -INFINITY;
-      for (int64_t j = 0; j < len; ++j) {
-        const float* kj = key(j);
-        float d = 0.0f;
-        for (int i = 0; i < hd; ++i) d += qv[i] * kj[i];
-        s[j] = d * sp.attn_scale;
-        mx_s = std::max(mx_s, s[j]);
-      }
-      float total = 0.0f;
-      for (int64_t j = 0; j < len; ++j) {
-        s[j] = std::exp(s[j] - mx_s);
-        total += s[j];
-      }
-      float* o = att.data() + (m * H + hh) * hd;
-      std::fill_n(o, hd, 0.0f);
-      for (int64_t j = 0; j < len; ++j) {
-        const float p = s[j] / total;
-        const float* vj = value(j);
-        for (int i = 0; i < hd; ++i) o[i] += p * vj[i];
-      }
+      const metalnn_decode::HeadAttention head{q.data() + (m * H + hh) * hd,
+                                               kc + ((m * G + g) * cap + start) * hd,
+                                               vc + ((m * G + g) * cap + start) * hd,
+                                               k.data() + (m * G + g) * hd,
+                                               v.data() + (m * G + g) * hd,
+                                               pm - start + 1,
+                                               hd,
+                                               sp.attn_scale};
+      metalnn_decode::attend_head(head, s.data(), att.data() + (m * H + hh) * hd);
     }
   });
 
@@ -320,7 +294,9 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
   run_products({&proj[kGate], &proj[kUp]}, D, M);
   if (sp.bias[kGate]) add_bias(gate.data(), bias(kGate), M, I);
   if (sp.bias[kUp]) add_bias(up.data(), bias(kUp), M, I);
-  for (int64_t i = 0; i < M * I; ++i) gate[i] = activation(gate[i], sp.gelu) * up[i];
+  metalnn_fastmath::unary_kernel(sp.gelu ? metalnn_fastmath::Kind::GeluTanh : metalnn_fastmath::Kind::Silu,
+                                 gate.data(), gate.data(), static_cast<size_t>(M * I));
+  for (int64_t i = 0; i < M * I; ++i) gate[i] *= up[i];
   prepare(kDown, gate.data(), I, y);
   run_products({&proj[kDown]}, I, M);
   if (sp.bias[kDown]) add_bias(y, bias(kDown), M, D);
