@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ggml_types.h"
@@ -117,9 +118,10 @@ inline int64_t bias_sub(int id) {
 }
 
 // Whether the register kernel of a type takes the input rows in kernel order (permute_chunks):
-// every type but Q8_0, which reads its levels in natural order.
+// every type but Q8_0 (its levels read from memory) and the plain-nibble formats (float_chunks),
+// which read their levels in natural order.
 inline bool register_kernel_order(int id) {
-  return id != kQ8_0;
+  return id != kQ8_0 && id != kQ4_0 && id != kQ4_1 && id != kQ4_K;
 }
 
 // dst = x in kernel order: within every 32 values, dst[8 k + l] = x[4 l + k] (K a multiple of 32).
@@ -240,6 +242,13 @@ GGML_INLINE __m256i table16(const int8_t* t) {
 // (NATURAL) and takes the input rows as they are.
 // ---------------------------------------------------------------------------
 
+// The 4-bit formats whose levels are plain nibbles (Q4_0, Q4_1, Q4_K) also give
+//   float_chunks(b, sink)    sink.nibbles<N, OFFSET>(p, lo, hi, i_lo, i_hi): N bytes at p whose low
+//                            nibbles are values lo .. lo + N - 1 of the block (scale of chunk i_lo)
+//                            and high nibbles values hi .. hi + N - 1 (chunk i_hi), minus OFFSET
+// for the float register kernel, which widens them straight from memory in natural order (a zero-
+// extending load of 8 bytes to 8 lanes, a mask and a shift) instead of going through int8 chunks.
+
 struct FQ4_0 {
   static constexpr int QK = 32, TS = 18, SUB = 32;
   static constexpr bool MIN = false;
@@ -249,6 +258,10 @@ struct FQ4_0 {
   template <class S>
   GGML_INLINE static void chunks(const uint8_t* b, S& s) {
     s(_mm256_sub_epi8(nibbles_32(b + 2), _mm256_set1_epi8(8)), 0);
+  }
+  template <class S>
+  GGML_INLINE static void float_chunks(const uint8_t* b, S& s) {
+    s.template nibbles<16, 8>(b + 2, 0, 16, 0, 0);
   }
 };
 
@@ -262,6 +275,10 @@ struct FQ4_1 {
   template <class S>
   GGML_INLINE static void chunks(const uint8_t* b, S& s) {
     s(nibbles_32(b + 4), 0);
+  }
+  template <class S>
+  GGML_INLINE static void float_chunks(const uint8_t* b, S& s) {
+    s.template nibbles<16, 0>(b + 4, 0, 16, 0, 0);
   }
 };
 
@@ -411,6 +428,10 @@ struct FQ4_K {
       s(_mm256_and_si256(v, m4), 2 * c);
       s(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 2 * c + 1);
     }
+  }
+  template <class S>
+  GGML_INLINE static void float_chunks(const uint8_t* b, S& s) {
+    for (int c = 0; c < 4; ++c) s.template nibbles<32, 0>(b + 16 + 32 * c, 64 * c, 64 * c + 32, 2 * c, 2 * c + 1);
   }
 };
 
@@ -579,7 +600,46 @@ struct DotSink {
     widen_mem(p, f);
     add(f, i);
   }
+  // See float_chunks (the formats with plain nibbles; x in natural order, SUB 32).
+  template <int N, int OFFSET>
+  GGML_INLINE void nibbles(const uint8_t* p, int lo, int hi, int i_lo, int i_hi) {
+    static_assert(N % 8 == 0 && T::SUB == 32);
+    const __m256i m4 = _mm256_set1_epi32(0x0F), off = _mm256_set1_epi32(OFFSET);
+    __m256 flo[N / 8], fhi[N / 8];
+    for (int t = 0; t < N / 8; ++t) {
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * t)));
+      __m256i l = _mm256_and_si256(b, m4), h = _mm256_srli_epi32(b, 4);
+      if constexpr (OFFSET != 0) {
+        l = _mm256_sub_epi32(l, off);
+        h = _mm256_sub_epi32(h, off);
+      }
+      flo[t] = _mm256_cvtepi32_ps(l);
+      fhi[t] = _mm256_cvtepi32_ps(h);
+    }
+    const __m256 s_lo = _mm256_broadcast_ss(sc + i_lo), s_hi = _mm256_broadcast_ss(sc + i_hi);
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = x + m * ldx;
+      __m256 a_lo = _mm256_mul_ps(flo[0], _mm256_loadu_ps(xm + lo));
+      __m256 a_hi = _mm256_mul_ps(fhi[0], _mm256_loadu_ps(xm + hi));
+      for (int t = 1; t < N / 8; ++t) {
+        a_lo = _mm256_fmadd_ps(flo[t], _mm256_loadu_ps(xm + lo + 8 * t), a_lo);
+        a_hi = _mm256_fmadd_ps(fhi[t], _mm256_loadu_ps(xm + hi + 8 * t), a_hi);
+      }
+      if (i_lo == i_hi) {
+        acc[m] = _mm256_fmadd_ps(s_lo, _mm256_add_ps(a_lo, a_hi), acc[m]);
+      } else {
+        acc[m] = _mm256_fmadd_ps(s_lo, a_lo, acc[m]);
+        acc[m] = _mm256_fmadd_ps(s_hi, a_hi, acc[m]);
+      }
+    }
+  }
 };
+
+// Whether the float register kernel of type T reads plain nibbles (float_chunks; x in natural order).
+template <class T>
+constexpr bool float_nibbles() {
+  return requires(const uint8_t* b, DotSink<T, 1>& s) { T::float_chunks(b, s); };
+}
 
 // out[m * ldo] = row . x_m for the sink's MB input rows (xs: their sub-block sums, for the formats
 // with a bias). The sink (`DotSink`: float32 inputs; `IntDotSink`: int8 levels) multiplies the
@@ -601,7 +661,11 @@ GGML_TARGET void dot_row(const uint8_t* row, int64_t nblocks, Sink& sink, const 
     const uint8_t* p = row + b * T::TS;
     T::params(p, sc, bias);
     sink.at_block(b);
-    T::chunks(p, sink);
+    if constexpr (std::is_same_v<Sink, DotSink<T, MB>> && float_nibbles<T>()) {
+      T::float_chunks(p, sink);
+    } else {
+      T::chunks(p, sink);
+    }
     if constexpr (T::MIN) {
       const float* xb = xs + b * NS;
       for (int m = 0; m < MB; ++m) {
