@@ -14,12 +14,17 @@ Files: the bundled SmolLM2-135M-Instruct Q4_1, and Q8_0 and Q4_K_M made from it 
   float32 product inputs, and with int8 inputs as llama.cpp computes its products
   (`metalnn.cpu.ggml.set_int8_input_rows`).
 
+``--depth D`` also times decoding at a context of D tokens: ``llama-bench -p 0 -n 64 -d D`` (the 64
+tokens generated after D tokens already in the cache) against metalnn's 64 tokens after a prompt of
+D + 1 tokens (the prompt not timed).
+
 ``--files`` adds other GGUF files (e.g. the 1B-parameter Llama of ``scripts/make_llama1b_gguf.py``).
 
 The machine's load average is printed before and after: other processes on the cores change both
 sides (the two run one after the other, not at once).
 
     python scripts/bench_llamacpp.py [--types Q4_1,Q8_0,Q4_K_M] [--files A.gguf B.gguf] [--threads 2] [--runs 3]
+                                     [--depth 1024]
 """
 
 from __future__ import annotations
@@ -50,6 +55,30 @@ def bench_llamacpp(path: Path, threads: int, prompt: int, gen: int, bin_folder, 
     pp = next(r["avg_ts"] for r in out if r["n_prompt"] == prompt and r["n_gen"] == 0)
     tg = next(r["avg_ts"] for r in out if r["n_gen"] == gen and r["n_prompt"] == 0)
     return pp, tg
+
+
+def bench_llamacpp_depth(path: Path, threads: int, gen: int, depth: int, bin_folder, timeout: int = 900):
+    """Decode tokens/s of ``llama-bench`` with ``depth`` tokens already in the context."""
+    cmd = [common.tool("llama-bench", bin_folder), "-m", str(path), "-t", str(threads), "-p", "0",
+           "-n", str(gen), "-d", str(depth), "-o", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        sys.exit(f"llama-bench -d {depth} failed on {path.name} ({res.returncode}):\n{res.stderr[-3000:]}")
+    return next(r["avg_ts"] for r in json.loads(res.stdout) if r["n_gen"] == gen and r.get("n_depth") == depth)
+
+
+def bench_metalnn_depth(path: Path, gen: int, depth: int, runs: int):
+    """metalnn's decode tokens/s for ``gen`` tokens after a random prompt of ``depth + 1`` tokens."""
+    import metalnn as mn
+    from metalnn.cli.bench import measure
+
+    model = mn.models.load_pretrained(path)
+    tokens = np.random.default_rng(1).integers(0, model.vocab_size, depth + 1).tolist()
+    measure(model, tokens, 4)  # warm-up
+    tg = statistics.median(measure(model, tokens, gen + 1)[1] for _ in range(runs))
+    del model
+    gc.collect()
+    return gen / tg
 
 
 def bench_metalnn(path: Path, prompt: int, gen: int, runs: int):
@@ -86,6 +115,7 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--gen", type=int, default=64, help="generated tokens (default 64)")
     p.add_argument("--runs", type=int, default=3, help="metalnn runs, median (default 3)")
+    p.add_argument("--depth", type=int, default=0, help="also time decoding with this many tokens in the context")
     p.add_argument("--llamacpp", default=None, help="folder of llama.cpp's tools")
     args = p.parse_args(argv)
 
@@ -108,19 +138,27 @@ def main(argv=None):
     for t in types:
         ll_pp, ll_tg = bench_llamacpp(files[t], args.threads, args.prompt, args.gen, args.llamacpp)
         mn_pp, mn_tg, mn_tg8 = bench_metalnn(files[t], args.prompt, args.gen, args.runs)
-        rows.append((t, files[t].stat().st_size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp))
+        ll_d = mn_d = None
+        if args.depth:
+            ll_d = bench_llamacpp_depth(files[t], args.threads, args.gen, args.depth, args.llamacpp)
+            mn_d = bench_metalnn_depth(files[t], args.gen, args.depth, args.runs)
+        rows.append((t, files[t].stat().st_size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp, ll_d, mn_d))
+        depth = f"; at depth {args.depth}: llama.cpp {ll_d:.1f}, metalnn {mn_d:.1f}" if args.depth else ""
         print(f"  {t}: llama.cpp pp{args.prompt} {ll_pp:.1f} tg{args.gen} {ll_tg:.1f}; metalnn prompt {mn_pp:.1f} "
-              f"decode {mn_tg:.1f} (int8 inputs {mn_tg8:.1f}) tokens/s; {common.load_line()}", flush=True)
+              f"decode {mn_tg:.1f} (int8 inputs {mn_tg8:.1f}) tokens/s{depth}; {common.load_line()}", flush=True)
 
     print(f"\nllama.cpp {common.llamacpp_version(args.llamacpp)} ({args.threads} threads); metalnn "
           f"{getattr(metalnn, '__version__', '?')}, MLX {mx.__version__}")
     print(f"load before: {before}; after: {common.load_line()}")
+    depth_head = (f" llama.cpp decode at depth {args.depth} | metalnn | ratio |" if args.depth else "")
     print(f"| file | llama.cpp decode (tg{args.gen}) | metalnn decode | ratio | metalnn decode, int8 inputs | ratio "
-          f"| llama.cpp prompt (pp{args.prompt}) | metalnn prompt | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for t, size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp in rows:
+          f"| llama.cpp prompt (pp{args.prompt}) | metalnn prompt | ratio |{depth_head}")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if args.depth else ""))
+    for t, size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp, ll_d, mn_d in rows:
+        depth_cells = f" {ll_d:.1f} | {mn_d:.1f} | {mn_d / ll_d:.2f}x |" if args.depth else ""
         print(f"| {labels[t]} ({size / 1e6:.0f} MB) | {ll_tg:.1f} tokens/s | {mn_tg:.1f} | {mn_tg / ll_tg:.2f}x "
-              f"| {mn_tg8:.1f} | {mn_tg8 / ll_tg:.2f}x | {ll_pp:.1f} tokens/s | {mn_pp:.1f} | {mn_pp / ll_pp:.2f}x |")
+              f"| {mn_tg8:.1f} | {mn_tg8 / ll_tg:.2f}x | {ll_pp:.1f} tokens/s | {mn_pp:.1f} | {mn_pp / ll_pp:.2f}x |"
+              f"{depth_cells}")
     return 0
 
 
