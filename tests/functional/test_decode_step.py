@@ -189,23 +189,32 @@ def test_bad_inputs_name_the_tensor():
         native.decoder_block_step(*args(weights), **kw, activation="relu")
 
 
-def test_single_step_matches_op_by_op_block_with_gelu_and_partial_interleaved_rope():
-    # a block built directly: GeGLU (tanh) gate, interleaved RoPE pairs on half of each head, biases
-    block = mn.layers.TransformerBlock(4, 40, num_kv_heads=2, rope_traditional=True, rope_dims=4, attention_bias=True,
-                                       attention_out_bias=True, mlp_bias=True, activation="gelu_tanh")
-    x = mx.random.normal((3, 5, 32), key=mx.random.key(0))
-    block(x)  # builds it
+def last_step_fused_and_op_by_op(block, x):
+    """``(fused, reference, fused cache, reference cache)``: the block built and given random
+    parameters (gains near 1), ``x [B, T, D]``'s first T - 1 positions run into two caches op by op,
+    then position T through the fused step (which must be what ran) and op by op."""
     from mlx.utils import tree_flatten, tree_unflatten
+
+    block(x[:, :2])  # builds it
     params = tree_flatten(block.parameters())
     block.update(tree_unflatten([(k, mx.random.normal(v.shape, key=mx.random.key(i)) * 0.3 + (1.0 if "norm" in k else 0.0))
                                  for i, (k, v) in enumerate(params)]))
     ref, fused = KVCache(), KVCache()
     dev = mn.Device(kernels="reference")
-    block(x[:, :4], cache=ref, device=dev)
-    block(x[:, :4], cache=fused, device=dev)
-    want = block(x[:, 4:], cache=ref, device=dev)
-    got = block(x[:, 4:], cache=fused)
+    t = x.shape[1] - 1
+    block(x[:, :t], cache=ref, device=dev)
+    block(x[:, :t], cache=fused, device=dev)
+    want = block(x[:, t:], cache=ref, device=dev)
+    got = block(x[:, t:], cache=fused)
     assert "DecoderBlockStep" in node_names(got)
+    return got, want, fused, ref
+
+
+def test_single_step_matches_op_by_op_block_with_gelu_and_partial_interleaved_rope():
+    # a block built directly: GeGLU (tanh) gate, interleaved RoPE pairs on half of each head, biases
+    block = mn.layers.TransformerBlock(4, 40, num_kv_heads=2, rope_traditional=True, rope_dims=4, attention_bias=True,
+                                       attention_out_bias=True, mlp_bias=True, activation="gelu_tanh")
+    got, want, fused, ref = last_step_fused_and_op_by_op(block, mx.random.normal((3, 5, 32), key=mx.random.key(0)))
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
     assert fused.offset == ref.offset == 5
     np.testing.assert_allclose(np.array(fused.state[0]), np.array(ref.state[0]), rtol=1e-5, atol=1e-5)
@@ -220,18 +229,7 @@ def test_attention_over_a_long_cache_matches_op_by_op(head_dim):
     heads = 4
     block = mn.layers.TransformerBlock(heads, 48, num_kv_heads=2)
     x = mx.random.normal((2, 301, heads * head_dim), key=mx.random.key(head_dim))
-    block(x[:, :2])
-    from mlx.utils import tree_flatten, tree_unflatten
-    params = tree_flatten(block.parameters())
-    block.update(tree_unflatten([(k, mx.random.normal(v.shape, key=mx.random.key(i)) * 0.3 + (1.0 if "norm" in k else 0.0))
-                                 for i, (k, v) in enumerate(params)]))
-    ref, fused = KVCache(), KVCache()
-    dev = mn.Device(kernels="reference")
-    block(x[:, :300], cache=ref, device=dev)
-    block(x[:, :300], cache=fused, device=dev)
-    want = block(x[:, 300:], cache=ref, device=dev)
-    got = block(x[:, 300:], cache=fused)
-    assert "DecoderBlockStep" in node_names(got)
+    got, want, _, _ = last_step_fused_and_op_by_op(block, x)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4 * float(mx.abs(want).max()))
 
 
