@@ -26,7 +26,7 @@ from metalnn.llm.tuner import lora
 from metalnn.llm.text_generation import TextStream
 
 from app_models import save_tiny_model
-from commands import assert_one_line_error, metalnn_cmd
+from commands import assert_one_line_error, metalnn_cmd, metalnn_in_process
 from bundled_model import smollm2_file
 
 COMMANDS = ("info", "generate", "chat", "serve", "quantize", "export", "lora", "dpo", "orpo", "kto", "grpo", "bench")
@@ -51,9 +51,10 @@ def greedy(local, ids, max_tokens, **kw):
 def test_every_command_has_help_and_the_console_script_is_declared():
     result = metalnn_cmd("--help")
     assert result.returncode == 0
+    assert metalnn_cmd("generate", "--help").stdout.startswith("usage: metalnn generate")  # through the script
     for command in COMMANDS:
         assert command in result.stdout
-        sub = metalnn_cmd(command, "--help")
+        sub = metalnn_in_process(command, "--help")
         assert sub.returncode == 0 and sub.stdout.startswith(f"usage: metalnn {command}"), sub.stderr
     scripts = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")}
     assert scripts.get("metalnn") == "metalnn.cli:main"
@@ -292,23 +293,25 @@ def test_bench(tiny):
 
 
 def test_errors_are_one_clear_line(tiny, tmp_path):
-    assert_one_line_error(metalnn_cmd("generate", tmp_path / "nothing", "--prompt", "x"), "nothing", "no such file")
+    # in this process but serve (which would install its signal handlers here); `metalnn_cmd` checks the
+    # same one-line form through the real script in the other command tests
+    assert_one_line_error(metalnn_in_process("generate", tmp_path / "nothing", "--prompt", "x"), "nothing", "no such file")
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text('{"architectures": ["FooForCausalLM"]}')
-    assert_one_line_error(metalnn_cmd("info", tmp_path / "odd"), "unsupported architecture FooForCausalLM")
+    assert_one_line_error(metalnn_in_process("info", tmp_path / "odd"), "unsupported architecture FooForCausalLM")
     assert_one_line_error(metalnn_cmd("serve", tmp_path / "odd", "--port", "0"), "FooForCausalLM")
     plain = save_tiny_model(tmp_path / "plain", chat_template=None)
-    assert_one_line_error(metalnn_cmd("chat", plain), "no chat template")
-    assert_one_line_error(metalnn_cmd("generate", plain, "--chat", "--prompt", "x"), "no chat template")
-    assert_one_line_error(metalnn_cmd("generate", tiny, "--system", "s", "--prompt", "x"), "--system needs --chat")
-    assert_one_line_error(metalnn_cmd("generate", tiny, "--prompt", "x", "--top-p", "1.5"), "--top-p")
+    assert_one_line_error(metalnn_in_process("chat", plain), "no chat template")
+    assert_one_line_error(metalnn_in_process("generate", plain, "--chat", "--prompt", "x"), "no chat template")
+    assert_one_line_error(metalnn_in_process("generate", tiny, "--system", "s", "--prompt", "x"), "--system needs --chat")
+    assert_one_line_error(metalnn_in_process("generate", tiny, "--prompt", "x", "--top-p", "1.5"), "--top-p")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": \n')
-    assert_one_line_error(metalnn_cmd("lora", tiny, "--train", bad, "--out", tmp_path / "a"), f"{bad}:2", "JSON")
+    assert_one_line_error(metalnn_in_process("lora", tiny, "--train", bad, "--out", tmp_path / "a"), f"{bad}:2", "JSON")
     assert not (tmp_path / "a").exists()
-    usage = metalnn_cmd("generate", tiny, "--prompt", "x", "--max-tokens", "many")
+    usage = metalnn_in_process("generate", tiny, "--prompt", "x", "--max-tokens", "many")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr and "--max-tokens" in usage.stderr
-    assert metalnn_cmd().returncode == 2
+    assert metalnn_in_process().returncode == 2
 
 
 def test_info_of_the_smollm2_gguf():
