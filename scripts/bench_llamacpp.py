@@ -44,56 +44,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_common as common  # noqa: E402
 
 
-def bench_llamacpp(path: Path, threads: int, prompt: int, gen: int, bin_folder, timeout: int = 600):
-    """``(prompt tokens/s, decode tokens/s)`` of ``llama-bench``."""
-    cmd = [common.tool("llama-bench", bin_folder), "-m", str(path), "-t", str(threads), "-p", str(prompt),
-           "-n", str(gen), "-o", "json"]
+def run_llama_bench(path: Path, threads: int, options: list, bin_folder, timeout: int = 900) -> list:
+    """The JSON rows of ``llama-bench -m FILE -t THREADS OPTIONS -o json``."""
+    cmd = [common.tool("llama-bench", bin_folder), "-m", str(path), "-t", str(threads), *map(str, options), "-o", "json"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
-        sys.exit(f"llama-bench failed on {path.name} ({res.returncode}):\n{res.stderr[-3000:]}")
-    out = json.loads(res.stdout)
+        sys.exit(f"llama-bench {' '.join(map(str, options))} failed on {path.name} ({res.returncode}):\n"
+                 f"{res.stderr[-3000:]}")
+    return json.loads(res.stdout)
+
+
+def bench_llamacpp(path: Path, threads: int, prompt: int, gen: int, depth: int, bin_folder):
+    """``(prompt tokens/s, decode tokens/s, decode tokens/s at depth or None)`` of ``llama-bench``."""
+    out = run_llama_bench(path, threads, ["-p", prompt, "-n", gen], bin_folder)
     pp = next(r["avg_ts"] for r in out if r["n_prompt"] == prompt and r["n_gen"] == 0)
     tg = next(r["avg_ts"] for r in out if r["n_gen"] == gen and r["n_prompt"] == 0)
-    return pp, tg
+    tg_depth = None
+    if depth:
+        out = run_llama_bench(path, threads, ["-p", 0, "-n", gen, "-d", depth], bin_folder)
+        tg_depth = next(r["avg_ts"] for r in out if r["n_gen"] == gen and r.get("n_depth") == depth)
+    return pp, tg, tg_depth
 
 
-def bench_llamacpp_depth(path: Path, threads: int, gen: int, depth: int, bin_folder, timeout: int = 900):
-    """Decode tokens/s of ``llama-bench`` with ``depth`` tokens already in the context."""
-    cmd = [common.tool("llama-bench", bin_folder), "-m", str(path), "-t", str(threads), "-p", "0",
-           "-n", str(gen), "-d", str(depth), "-o", "json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0:
-        sys.exit(f"llama-bench -d {depth} failed on {path.name} ({res.returncode}):\n{res.stderr[-3000:]}")
-    return next(r["avg_ts"] for r in json.loads(res.stdout) if r["n_gen"] == gen and r.get("n_depth") == depth)
-
-
-def bench_metalnn_depth(path: Path, gen: int, depth: int, runs: int):
-    """metalnn's decode tokens/s for ``gen`` tokens after a random prompt of ``depth + 1`` tokens."""
-    import metalnn as mn
-    from metalnn.cli.bench import measure
-
-    model = mn.models.load_pretrained(path)
-    tokens = np.random.default_rng(1).integers(0, model.vocab_size, depth + 1).tolist()
-    measure(model, tokens, 4)  # warm-up
-    tg = statistics.median(measure(model, tokens, gen + 1)[1] for _ in range(runs))
-    del model
-    gc.collect()
-    return gen / tg
-
-
-def bench_metalnn(path: Path, prompt: int, gen: int, runs: int):
-    """``(prompt tokens/s, decode tokens/s, decode tokens/s with int8 product inputs)`` of metalnn,
-    timed as ``metalnn bench`` times it."""
+def bench_metalnn(path: Path, prompt: int, gen: int, runs: int, depth: int = 0):
+    """``(prompt tokens/s, decode tokens/s, decode tokens/s with int8 product inputs, decode tokens/s
+    after a prompt of depth + 1 tokens or None)`` of metalnn, timed as ``metalnn bench`` times it."""
     import metalnn as mn
     from metalnn.cli.bench import measure
     from metalnn.cpu import ggml as cpu_ggml
 
     model = mn.models.load_pretrained(path)
-    tokens = np.random.default_rng(0).integers(0, model.vocab_size, prompt).tolist()
-    measure(model, tokens, 4)  # warm-up
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, max(prompt, depth + 1)).tolist()
+    measure(model, tokens[:prompt], 4)  # warm-up
     measure(model, tokens[:1], 4)
-    pp = statistics.median(measure(model, tokens, 1)[0] for _ in range(runs))
+    pp = statistics.median(measure(model, tokens[:prompt], 1)[0] for _ in range(runs))
     tg = statistics.median(measure(model, tokens[:1], gen + 1)[1] for _ in range(runs))
+    tg_depth = None
+    if depth:
+        measure(model, tokens[:depth + 1], 4)
+        tg_depth = gen / statistics.median(measure(model, tokens[:depth + 1], gen + 1)[1] for _ in range(runs))
     old = cpu_ggml.int8_input_rows()
     cpu_ggml.set_int8_input_rows(4)
     try:
@@ -103,7 +92,7 @@ def bench_metalnn(path: Path, prompt: int, gen: int, runs: int):
         cpu_ggml.set_int8_input_rows(old)
     del model
     gc.collect()
-    return prompt / pp, gen / tg, gen / tg8
+    return prompt / pp, gen / tg, gen / tg8, tg_depth
 
 
 def main(argv=None):
@@ -136,12 +125,8 @@ def main(argv=None):
     print(f"{platform.machine()} {platform.processor() or ''}, {common.load_line()}", flush=True)
     rows = []
     for t in types:
-        ll_pp, ll_tg = bench_llamacpp(files[t], args.threads, args.prompt, args.gen, args.llamacpp)
-        mn_pp, mn_tg, mn_tg8 = bench_metalnn(files[t], args.prompt, args.gen, args.runs)
-        ll_d = mn_d = None
-        if args.depth:
-            ll_d = bench_llamacpp_depth(files[t], args.threads, args.gen, args.depth, args.llamacpp)
-            mn_d = bench_metalnn_depth(files[t], args.gen, args.depth, args.runs)
+        ll_pp, ll_tg, ll_d = bench_llamacpp(files[t], args.threads, args.prompt, args.gen, args.depth, args.llamacpp)
+        mn_pp, mn_tg, mn_tg8, mn_d = bench_metalnn(files[t], args.prompt, args.gen, args.runs, args.depth)
         rows.append((t, files[t].stat().st_size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp, ll_d, mn_d))
         depth = f"; at depth {args.depth}: llama.cpp {ll_d:.1f}, metalnn {mn_d:.1f}" if args.depth else ""
         print(f"  {t}: llama.cpp pp{args.prompt} {ll_pp:.1f} tg{args.gen} {ll_tg:.1f}; metalnn prompt {mn_pp:.1f} "

@@ -66,13 +66,6 @@ constexpr int kMaxVectors = 32;  // hd <= 256
 
 #define DA_TARGET __attribute__((target("avx2,fma")))
 
-DA_TARGET inline float hsum8(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
 // NV: hd / 8 when known at compile time (the common head sizes), 0 for any multiple of 8.
 template <int NV>
 DA_TARGET void attend_head_avx2_n(const HeadAttention& a, float* s, float* o) {
@@ -88,7 +81,7 @@ DA_TARGET void attend_head_avx2_n(const HeadAttention& a, float* s, float* o) {
       s1 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(kj + 8 * c + 8), s1);
     }
     if (c < nv) s0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), s0);
-    s[j] = hsum8(_mm256_add_ps(s0, s1)) * a.scale;
+    s[j] = metalnn_fastmath::hsum8(_mm256_add_ps(s0, s1)) * a.scale;
   }
   metalnn_fastmath::softmax_row(s, s, static_cast<size_t>(a.len));
   __m256 ov[NV > 0 ? NV : kMaxVectors];

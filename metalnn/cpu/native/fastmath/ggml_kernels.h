@@ -117,13 +117,6 @@ inline int64_t bias_sub(int id) {
   return 0;
 }
 
-// Whether the register kernel of a type takes the input rows in kernel order (permute_chunks):
-// every type but Q8_0 (its levels read from memory) and the plain-nibble formats (float_chunks),
-// which read their levels in natural order.
-inline bool register_kernel_order(int id) {
-  return id != kQ8_0 && id != kQ4_0 && id != kQ4_1 && id != kQ4_K;
-}
-
 // dst = x in kernel order: within every 32 values, dst[8 k + l] = x[4 l + k] (K a multiple of 32).
 inline void permute_chunks(const float* x, float* dst, int64_t K) {
   for (int64_t c = 0; c < K; c += 32)
@@ -873,6 +866,13 @@ struct MatmulRegisters {
   }
 };
 
+struct KernelOrder {
+  template <class T>
+  static void run(bool& out) {
+    out = !natural_order<T>() && !float_nibbles<T>();
+  }
+};
+
 // out[r, m] for NR decoded weight rows (w, K apart) and MB input rows: a float tile.
 template <int NR, int MB>
 GGML_TARGET void tile_dot(const float* w, const float* x, int64_t K, float* out, int64_t N) {
@@ -955,6 +955,20 @@ inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int8_t* q, 
     d[c] = dc;
     for (int j = 0; j < 32; ++j) q[32 * c + j] = static_cast<int8_t>(std::nearbyint(xc[j] * inv));
   }
+}
+
+// Whether the float register kernel of a type takes the input rows in kernel order
+// (permute_chunks): every type but those that read their levels in natural order, from memory
+// (Q8_0: NATURAL) or as plain nibbles (float_chunks: Q4_0, Q4_1, Q4_K).
+inline bool register_kernel_order(int id) {
+#if METALNN_GGML_X86
+  bool kernel_order = false;
+  dispatch_fast<KernelOrder>(id, kernel_order);
+  return kernel_order;
+#else
+  (void)id;
+  return false;  // no register kernels
+#endif
 }
 
 // out[m, r] = W[r] . x_m for the weight rows [r0, r1).
