@@ -654,6 +654,7 @@ GGML_TARGET void dot_row(const uint8_t* row, int64_t nblocks, Sink& sink, const 
     const uint8_t* p = row + b * T::TS;
     T::params(p, sc, bias);
     sink.at_block(b);
+    if constexpr (requires { sink.block_params(); }) sink.block_params();
     if constexpr (std::is_same_v<Sink, DotSink<T, MB>> && float_nibbles<T>()) {
       T::float_chunks(p, sink);
     } else {
@@ -711,9 +712,14 @@ GGML_TARGET void matmul_rows_registers(const MatmulArgs& a, int64_t r0, int64_t 
 }
 
 // Sink of the int8 register product: acc[m] += (sc * dx_m) * (chunk . xq_m) for MB input rows, the
-// dot product of the 32 int8 levels in integers (levels in natural order: byte j is value j).
+// dot product of the 32 int8 levels in integers (levels in natural order: byte j is value j). The
+// formats with a minimum have levels 0..31, which _mm256_maddubs_epi16 takes as they are (unsigned
+// times signed); the others go through the sign trick (|q| times x with q's sign). With one scale
+// per 32 values (SUB 32) each chunk's coefficient sc * dx_m is made once a block (`block_params`),
+// so a chunk costs the integer dot, a conversion and one FMA per input row.
 template <class T, int MB>
 struct IntDotSink {
+  static constexpr int NC = T::QK / 32;  // chunks a block
   const int8_t* xq;  // the block's first quantized value in input row 0
   int64_t ldq;
   const float* xd;  // the scale of the block's first 32 values in input row 0
@@ -722,6 +728,7 @@ struct IntDotSink {
   __m256 acc[MB];
   const int8_t* xq0;  // input row 0's first level and scale
   const float* xd0;
+  alignas(32) float cf[MB][NC];  // SUB 32: chunk i's coefficient sc[i] * dx_m of the current block
 
   GGML_INLINE void start(const MatmulArgs& a, int64_t m) {
     ldq = a.K;
@@ -731,24 +738,39 @@ struct IntDotSink {
   }
   GGML_INLINE void at_block(int64_t b) {
     xq = xq0 + b * T::QK;
-    xd = xd0 + b * (T::QK / 32);
+    xd = xd0 + b * NC;
+  }
+  // After the block's scales are in sc.
+  GGML_INLINE void block_params() {
+    if constexpr (T::SUB == 32) {
+      for (int m = 0; m < MB; ++m) {
+        if constexpr (NC == 8) {
+          _mm256_store_ps(cf[m], _mm256_mul_ps(_mm256_loadu_ps(sc), _mm256_loadu_ps(xd + m * ldd)));
+        } else {
+          for (int i = 0; i < NC; ++i) cf[m][i] = sc[i] * xd[m * ldd + i];
+        }
+      }
+    }
   }
 
   GGML_INLINE void operator()(__m256i q, int i) {
-    __m256 scale;
-    if constexpr (T::SUB == 16) {
-      // int32 lanes 0-3 sum bytes 0-15 (sub-block 2i), lanes 4-7 bytes 16-31 (sub-block 2i + 1)
-      scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sc[2 * i])), _mm_set1_ps(sc[2 * i + 1]), 1);
-    } else {
-      scale = _mm256_broadcast_ss(sc + (32 * i) / T::SUB);
-    }
-    const __m256i ax = _mm256_sign_epi8(q, q);
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256i aq = q;
+    if constexpr (!T::MIN) aq = _mm256_sign_epi8(q, q);
     for (int m = 0; m < MB; ++m) {
-      const __m256i qx = load256(reinterpret_cast<const uint8_t*>(xq + m * ldq + 32 * i));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(qx, q)), ones);
-      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_broadcast_ss(xd + m * ldd + i)),
-                               _mm256_cvtepi32_ps(dot), acc[m]);
+      __m256i qx = load256(reinterpret_cast<const uint8_t*>(xq + m * ldq + 32 * i));
+      if constexpr (!T::MIN) qx = _mm256_sign_epi8(qx, q);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aq, qx), ones));
+      if constexpr (T::SUB == 32) {
+        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(&cf[m][i]), dot, acc[m]);
+      } else if constexpr (T::SUB == 16) {
+        // int32 lanes 0-3 sum bytes 0-15 (sub-block 2i), lanes 4-7 bytes 16-31 (sub-block 2i + 1)
+        const __m256 scale =
+            _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sc[2 * i])), _mm_set1_ps(sc[2 * i + 1]), 1);
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_broadcast_ss(xd + m * ldd + i)), dot, acc[m]);
+      } else {
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(sc[(32 * i) / T::SUB] * xd[m * ldd + i]), dot, acc[m]);
+      }
     }
   }
   GGML_INLINE void mem(const int8_t* p, int i) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ggml_int8_rows.h"
 #include "ggml_kernels.h"
 
 namespace metalnn_ggml {
@@ -48,6 +49,9 @@ class PreparedProduct {
 
   // out[m, r] for W's rows [r0, r1).
   void run_rows(int64_t r0, int64_t r1) const {
+#if METALNN_GGML_X86
+    if (a_.xq != nullptr && int8_rows_product(a_, r0, r1)) return;
+#endif
     matmul_rows(a_, r0, r1, avx2_);
   }
 
