@@ -1,5 +1,5 @@
-// Decoding products with int8 inputs, one tight AVX2 loop per common type (Q8_0, Q4_0, Q4_1, Q4_K,
-// Q5_K, Q6_K): out[m, r] = W[r] . x_m for a few input rows m, the inputs quantized as
+// Decoding products with int8 inputs, one tight AVX2 loop per common type (Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1, Q4_K, Q5_K, Q6_K): out[m, r] = W[r] . x_m for a few input rows m, the inputs quantized as
 // quantize_rows_int8 writes them (int8 levels xq [M, K], one scale xd [M, K / 32] per 32 values).
 //
 // The same arithmetic as IntDotSink (ggml_kernels.h), which serves the other types: each 32
@@ -44,7 +44,7 @@ struct Inputs {
   }
 };
 
-// The six types. Each `block<MB>(p, in, b, acc)` adds block b of a weight row to acc[m] (8 lanes
+// The types. Each `block<MB>(p, in, b, acc)` adds block b of a weight row to acc[m] (8 lanes
 // summed at the end) for the input rows 0 .. MB - 1 of `in`.
 struct Q8_0 {
   static constexpr int QK = 32, TS = 34;
@@ -77,6 +77,35 @@ struct Q4_1 {
     for (int m = 0; m < MB; ++m) {
       const float dx = in.d[m * in.ldd + b], sx = in.s[m * in.ldd + b];
       // the minimum's term mn * sum(x) rides in lane 0 of the scaled dot
+      const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), udot(u, in.levels(m, 32 * b)),
+                                       _mm256_setr_ps(mn * sx, 0, 0, 0, 0, 0, 0, 0));
+      acc[m] = _mm256_add_ps(acc[m], t);
+    }
+  }
+};
+
+struct Q5_0 {
+  static constexpr int QK = 32, TS = 22;
+  template <int MB>
+  GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
+    const float d = h2f(p);
+    // q - 16 as int8: the nibble where the fifth bit is set, else the nibble with 0xF0 set
+    const __m256i hb = bits_to_bytes(rd32(p + 2));
+    const __m256i q = _mm256_or_si256(nibbles_32(p + 6), _mm256_andnot_si256(hb, _mm256_set1_epi8(static_cast<char>(0xF0))));
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * in.d[m * in.ldd + b]), sdot(q, in.levels(m, 32 * b)), acc[m]);
+  }
+};
+
+struct Q5_1 {
+  static constexpr int QK = 32, TS = 24;
+  template <int MB>
+  GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
+    const float d = h2f(p), mn = h2f(p + 2);
+    const __m256i hb = bits_to_bytes(rd32(p + 4));
+    const __m256i u = _mm256_or_si256(nibbles_32(p + 8), _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+    for (int m = 0; m < MB; ++m) {
+      const float dx = in.d[m * in.ldd + b], sx = in.s[m * in.ldd + b];
       const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), udot(u, in.levels(m, 32 * b)),
                                        _mm256_setr_ps(mn * sx, 0, 0, 0, 0, 0, 0, 0));
       acc[m] = _mm256_add_ps(acc[m], t);
@@ -216,6 +245,12 @@ inline bool int8_rows_product(const MatmulArgs& a, int64_t r0, int64_t r1) {
       return true;
     case kQ4_1:
       int8_rows::rows<int8_rows::Q4_1>(a, r0, r1);
+      return true;
+    case kQ5_0:
+      int8_rows::rows<int8_rows::Q5_0>(a, r0, r1);
+      return true;
+    case kQ5_1:
+      int8_rows::rows<int8_rows::Q5_1>(a, r0, r1);
       return true;
     case kQ4_K:
       int8_rows::rows<int8_rows::K4<false>>(a, r0, r1);
