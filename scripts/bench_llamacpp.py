@@ -12,7 +12,7 @@ Files: the bundled SmolLM2-135M-Instruct Q4_1, and Q8_0 and Q4_K_M made from it 
   ``tg64``, 64 tokens after a 1-token prompt (65 new tokens; the 64 after the first timed). One
   warm-up, then the median of ``--runs`` runs. Decoding is timed twice: with metalnn's default
   float32 product inputs, and with int8 inputs as llama.cpp computes its products
-  (`metalnn.cpu.ggml.set_int8_input_rows`).
+  (`metalnn.functional.ggml_int8_inputs`, the commands' ``--int8-products``).
 
 ``--depth D`` also times decoding at a context of D tokens: ``llama-bench -p 0 -n 64 -d D`` (the 64
 tokens generated after D tokens already in the cache) against metalnn's 64 tokens after a prompt of
@@ -71,7 +71,7 @@ def bench_metalnn(path: Path, prompt: int, gen: int, runs: int, depth: int = 0):
     after a prompt of depth + 1 tokens or None)`` of metalnn, timed as ``metalnn bench`` times it."""
     import metalnn as mn
     from metalnn.cli.bench import measure
-    from metalnn.cpu import ggml as cpu_ggml
+    from metalnn.functional import ggml_int8_inputs
 
     model = mn.models.load_pretrained(path)
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, max(prompt, depth + 1)).tolist()
@@ -83,13 +83,9 @@ def bench_metalnn(path: Path, prompt: int, gen: int, runs: int, depth: int = 0):
     if depth:
         measure(model, tokens[:depth + 1], 4)
         tg_depth = gen / statistics.median(measure(model, tokens[:depth + 1], gen + 1)[1] for _ in range(runs))
-    old = cpu_ggml.int8_input_rows()
-    cpu_ggml.set_int8_input_rows(4)
-    try:
+    with ggml_int8_inputs():
         measure(model, tokens[:1], 4)
         tg8 = statistics.median(measure(model, tokens[:1], gen + 1)[1] for _ in range(runs))
-    finally:
-        cpu_ggml.set_int8_input_rows(old)
     del model
     gc.collect()
     return prompt / pp, gen / tg, gen / tg8, tg_depth

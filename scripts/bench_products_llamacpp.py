@@ -9,7 +9,7 @@ model), so this compares them alone, kernel against kernel, on the same bytes:
   OpenMP threads. A small C program, compiled here against the ``libggml`` that
   ``../shared/tools/build-llamacpp`` built.
 * metalnn: `metalnn.cpu.ggml.matmul` on the same weight bytes and the same input, with float32
-  inputs (the default) and with int8 inputs (`metalnn.cpu.ggml.set_int8_input_rows`).
+  inputs (the default) and with int8 inputs (`metalnn.functional.ggml_int8_inputs`).
 
 ``--mats`` copies of an ``N x K`` weight (default 16 of 8192 x 2048: ~140-280 MB, more than the
 caches hold, as a model's weights are) are multiplied in turn; the best of ``--repeat`` passes is
@@ -125,6 +125,7 @@ def main(argv=None):
     from metalnn import ggml as gg
     from metalnn.cpu import ggml as cg
     from metalnn.cpu import im2col
+    from metalnn.functional import ggml_int8_inputs
 
     if not cg.has_avx2():
         sys.exit("metalnn's AVX2 kernels are not running here (no extension or no AVX2)")
@@ -154,21 +155,19 @@ def main(argv=None):
                 peer = float(res.stdout.split()[-1])
                 reference = np.fromfile(tmp / "out.bin", dtype=np.float32)
                 im2col.set_num_threads(threads)
-                old = cg.int8_input_rows()
                 times = {}
-                for int8 in (0, 4):
-                    cg.set_int8_input_rows(int8)
-                    time_metalnn(cls, weights[:1], x, 1)
-                    times[int8] = time_metalnn(cls, weights, x, args.repeat)
-                    ours = np.array(cg.matmul(x, weights[0], cls))[0]
+                for int8 in (False, True):
+                    with ggml_int8_inputs(int8):
+                        time_metalnn(cls, weights[:1], x, 1)
+                        times[int8] = time_metalnn(cls, weights, x, args.repeat)
+                        ours = np.array(cg.matmul(x, weights[0], cls))[0]
                     diff = np.abs(ours - reference).max() / max(np.abs(reference).max(), 1e-30)
                     if diff > 0.05:
                         sys.exit(f"{name}: metalnn and llama.cpp disagree (max difference {diff:.3g} of the largest)")
-                cg.set_int8_input_rows(old)
-                rows.append((name, threads, mb, peer, times[0], times[4]))
+                rows.append((name, threads, mb, peer, times[False], times[True]))
                 print(f"  {name} {threads} thread(s): llama.cpp {peer:.1f} ms ({mb / peer:.1f} GB/s); metalnn float "
-                      f"inputs {times[0]:.1f} ms ({peer / times[0]:.2f}x), int8 inputs {times[4]:.1f} ms "
-                      f"({peer / times[4]:.2f}x)", flush=True)
+                      f"inputs {times[False]:.1f} ms ({peer / times[False]:.2f}x), int8 inputs {times[True]:.1f} ms "
+                      f"({peer / times[True]:.2f}x)", flush=True)
             del weights
     print(f"\n{common.load_line()}")
     print("| type | threads | llama.cpp vec_dot | metalnn float inputs | ratio | metalnn int8 inputs | ratio |")

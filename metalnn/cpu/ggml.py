@@ -71,8 +71,8 @@ def int8_input_rows() -> int:
     """Input rows up to which products take their input quantized to int8 (0: never; the default).
 
     With int8 inputs (llama.cpp's method: every 32 input values become int8 levels and a scale
-    max|x| / 127, and the products are integer dot products) decoding products run 1.05-1.5x
-    faster single-threaded on SmolLM2's shapes (most for the K-quants) but are less exact: on the
+    max|x| / 127, and the products are integer dot products) decoding products run 1.25-1.5x
+    faster single-threaded (``scripts/bench_products_llamacpp.py``) but are less exact: on the
     bundled SmolLM2-135M Q4_1, greedy "The capital of France is Paris." becomes what llama.cpp
     itself answers. ``METALNN_GGML_INT8_ROWS=4`` in the environment sets it at start-up.
     """
