@@ -46,101 +46,56 @@ struct Inputs {
 
 // The types. Each `block<MB>(p, in, b, acc)` adds block b of a weight row to acc[m] (8 lanes
 // summed at the end) for the input rows 0 .. MB - 1 of `in`.
-struct Q8_0 {
-  static constexpr int QK = 32, TS = 34;
-  template <int MB>
-  GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    const float d = h2f(p);
-    const __m256i q = load256(p + 2);
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * in.d[m * in.ldd + b]), sdot(q, in.levels(m, 32 * b)), acc[m]);
+// Receives the one chunk of a 32-value block from the format's `chunks` (ggml_kernels.h).
+struct LevelSink {
+  __m256i q;
+  GGML_INLINE void operator()(__m256i v, int) {
+    q = v;
+  }
+  GGML_INLINE void mem(const int8_t* p, int) {
+    q = load256(reinterpret_cast<const uint8_t*>(p));
   }
 };
 
-struct Q4_0 {
-  static constexpr int QK = 32, TS = 18;
+// The 32-value formats (F: FQ8_0, FQ4_0, FQ4_1, FQ5_0, FQ5_1 of ggml_kernels.h, whose `params` and
+// `chunks` decode the block): scale * levels, plus the minimum (bias) for Q4_1 and Q5_1.
+template <class F>
+struct Legacy {
+  static constexpr int QK = 32, TS = F::TS;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    const float d = h2f(p);
-    const __m256i q = _mm256_sub_epi8(nibbles_32(p + 2), _mm256_set1_epi8(8));
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * in.d[m * in.ldd + b]), sdot(q, in.levels(m, 32 * b)), acc[m]);
-  }
-};
-
-struct Q4_1 {
-  static constexpr int QK = 32, TS = 20;
-  template <int MB>
-  GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    const float d = h2f(p), mn = h2f(p + 2);
-    const __m256i u = nibbles_32(p + 4);
+    float d, mn = 0.0f;
+    F::params(p, &d, &mn);
+    LevelSink levels;
+    F::chunks(p, levels);
     for (int m = 0; m < MB; ++m) {
-      const float dx = in.d[m * in.ldd + b], sx = in.s[m * in.ldd + b];
-      // the minimum's term mn * sum(x) rides in lane 0 of the scaled dot
-      const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), udot(u, in.levels(m, 32 * b)),
-                                       _mm256_setr_ps(mn * sx, 0, 0, 0, 0, 0, 0, 0));
-      acc[m] = _mm256_add_ps(acc[m], t);
+      const __m256 dx = _mm256_set1_ps(d * in.d[m * in.ldd + b]);
+      if constexpr (F::MIN) {
+        // levels 0..31; the minimum's term mn * sum(x) rides in lane 0 of the scaled dot
+        const __m256 t = _mm256_fmadd_ps(dx, udot(levels.q, in.levels(m, 32 * b)),
+                                         _mm256_setr_ps(mn * in.s[m * in.ldd + b], 0, 0, 0, 0, 0, 0, 0));
+        acc[m] = _mm256_add_ps(acc[m], t);
+      } else {
+        acc[m] = _mm256_fmadd_ps(dx, sdot(levels.q, in.levels(m, 32 * b)), acc[m]);
+      }
     }
   }
 };
 
-struct Q5_0 {
-  static constexpr int QK = 32, TS = 22;
-  template <int MB>
-  GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    const float d = h2f(p);
-    // q - 16 as int8: the nibble where the fifth bit is set, else the nibble with 0xF0 set
-    const __m256i hb = bits_to_bytes(rd32(p + 2));
-    const __m256i q = _mm256_or_si256(nibbles_32(p + 6), _mm256_andnot_si256(hb, _mm256_set1_epi8(static_cast<char>(0xF0))));
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * in.d[m * in.ldd + b]), sdot(q, in.levels(m, 32 * b)), acc[m]);
-  }
-};
-
-struct Q5_1 {
-  static constexpr int QK = 32, TS = 24;
-  template <int MB>
-  GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    const float d = h2f(p), mn = h2f(p + 2);
-    const __m256i hb = bits_to_bytes(rd32(p + 4));
-    const __m256i u = _mm256_or_si256(nibbles_32(p + 8), _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
-    for (int m = 0; m < MB; ++m) {
-      const float dx = in.d[m * in.ldd + b], sx = in.s[m * in.ldd + b];
-      const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), udot(u, in.levels(m, 32 * b)),
-                                       _mm256_setr_ps(mn * sx, 0, 0, 0, 0, 0, 0, 0));
-      acc[m] = _mm256_add_ps(acc[m], t);
-    }
-  }
-};
-
-// Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and minimums (the scale/min unpacking of
-// params_k4_avx2, kept in registers).
-GGML_INLINE void k4_scales(const uint8_t* b, __m256* sc, __m256* mn) {
-  uint32_t u[4];
-  std::memcpy(u, b + 4, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t mins_lo = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[0] &= k1;
-  u[2] = mins_lo;
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // scales[8], mins[8]
-  *sc = _mm256_mul_ps(_mm256_set1_ps(h2f(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
-  *mn = _mm256_mul_ps(_mm256_set1_ps(h2f(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))));
-}
-
+// Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and minimums (unpacked by params_k4_avx2).
 template <bool FIFTH_BIT>
 struct K4 {
   static constexpr int QK = 256, TS = FIFTH_BIT ? 176 : 144;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    __m256 sc, mn;
-    k4_scales(p, &sc, &mn);
+    alignas(32) float scales[8], bias[8];  // bias: - dmin * min of each sub-block
+    params_k4_avx2(p, scales, bias);
+    const __m256 sc = _mm256_load_ps(scales), neg_mn = _mm256_load_ps(bias);
     __m256 coef[MB];
     for (int m = 0; m < MB; ++m) {
       coef[m] = _mm256_mul_ps(sc, _mm256_loadu_ps(in.d + m * in.ldd + 8 * b));
       // - min * sum(x) for the 8 sub-blocks, lane by lane
-      acc[m] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(in.s + m * in.ldd + 8 * b), acc[m]);
+      acc[m] = _mm256_fmadd_ps(neg_mn, _mm256_loadu_ps(in.s + m * in.ldd + 8 * b), acc[m]);
     }
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const uint8_t* qs = p + (FIFTH_BIT ? 48 : 16);
@@ -245,19 +200,19 @@ GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
 inline bool int8_rows_product(const MatmulArgs& a, int64_t r0, int64_t r1) {
   switch (a.type->id) {
     case kQ8_0:
-      int8_rows::rows<int8_rows::Q8_0>(a, r0, r1);
+      int8_rows::rows<int8_rows::Legacy<FQ8_0>>(a, r0, r1);
       return true;
     case kQ4_0:
-      int8_rows::rows<int8_rows::Q4_0>(a, r0, r1);
+      int8_rows::rows<int8_rows::Legacy<FQ4_0>>(a, r0, r1);
       return true;
     case kQ4_1:
-      int8_rows::rows<int8_rows::Q4_1>(a, r0, r1);
+      int8_rows::rows<int8_rows::Legacy<FQ4_1>>(a, r0, r1);
       return true;
     case kQ5_0:
-      int8_rows::rows<int8_rows::Q5_0>(a, r0, r1);
+      int8_rows::rows<int8_rows::Legacy<FQ5_0>>(a, r0, r1);
       return true;
     case kQ5_1:
-      int8_rows::rows<int8_rows::Q5_1>(a, r0, r1);
+      int8_rows::rows<int8_rows::Legacy<FQ5_1>>(a, r0, r1);
       return true;
     case kQ4_K:
       int8_rows::rows<int8_rows::K4<false>>(a, r0, r1);
