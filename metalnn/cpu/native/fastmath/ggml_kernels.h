@@ -71,8 +71,8 @@ inline std::atomic<int>& register_rows_setting() {
 // products do: each 32 values of an input row become int8 levels and one float scale,
 // max|x| / 127, and a block's products are integer dot products scaled once. Faster (1.25-1.5x
 // single-threaded, scripts/bench_products_llamacpp.py) but less exact: on the bundled
-// SmolLM2-135M Q4_1 it turns greedy "The capital of France is Paris." into what llama.cpp answers
-// ("L'Etoile, ..."). Default 0 (the input stays float32); METALNN_GGML_INT8_ROWS=<rows> sets it.
+// SmolLM2-135M Q4_1 the greedy continuation of "The capital of France is" stays " Paris." and then
+// goes another way. Default 0 (the input stays float32); METALNN_GGML_INT8_ROWS=<rows> sets it.
 inline int default_int8_rows() {
   const char* env = std::getenv("METALNN_GGML_INT8_ROWS");
   return env != nullptr ? std::max(0, std::atoi(env)) : 0;
