@@ -7,8 +7,8 @@
 // signed levels through the sign trick), converted to float and scaled by the weight's scale times
 // the input's; the formats with a minimum add min * (the float input's sum over the sub-block). Here
 // every accumulator and scale stays in registers (the generic sink's state goes through memory, a
-// third of the time of a decoding product), and each block's weights are decoded once for all input
-// rows.
+// third of the time of a decoding product), and each block's levels are decoded once, by the
+// format's own `chunks`, for all input rows.
 #pragma once
 
 #include "ggml_kernels.h"
@@ -44,21 +44,24 @@ struct Inputs {
   }
 };
 
-// The types. Each `block<MB>(p, in, b, acc)` adds block b of a weight row to acc[m] (8 lanes
-// summed at the end) for the input rows 0 .. MB - 1 of `in`.
-// Receives the one chunk of a 32-value block from the format's `chunks` (ggml_kernels.h).
-struct LevelSink {
-  __m256i q;
-  GGML_INLINE void operator()(__m256i v, int) {
-    q = v;
+// Receives the chunks of a block (32 levels each) from the format's `chunks` (ggml_kernels.h).
+template <int NC>
+struct ChunkSink {
+  __m256i q[NC];
+  GGML_INLINE void operator()(__m256i v, int i) {
+    q[i] = v;
   }
-  GGML_INLINE void mem(const int8_t* p, int) {
-    q = load256(reinterpret_cast<const uint8_t*>(p));
+  GGML_INLINE void mem(const int8_t* p, int i) {
+    q[i] = load256(reinterpret_cast<const uint8_t*>(p));
   }
 };
 
-// The 32-value formats (F: FQ8_0, FQ4_0, FQ4_1, FQ5_0, FQ5_1 of ggml_kernels.h, whose `params` and
-// `chunks` decode the block): scale * levels, plus the minimum (bias) for Q4_1 and Q5_1.
+// The types, each over its format F of ggml_kernels.h (whose `params` and `chunks` decode a
+// block). Each `block<MB>(p, in, b, acc)` adds block b of a weight row to acc[m] (8 lanes summed at
+// the end) for the input rows 0 .. MB - 1 of `in`.
+
+// The 32-value formats (FQ8_0, FQ4_0, FQ4_1, FQ5_0, FQ5_1): scale * levels, plus the minimum (bias)
+// for Q4_1 and Q5_1.
 template <class F>
 struct Legacy {
   static constexpr int QK = 32, TS = F::TS;
@@ -66,30 +69,31 @@ struct Legacy {
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
     float d, mn = 0.0f;
     F::params(p, &d, &mn);
-    LevelSink levels;
+    ChunkSink<1> levels;
     F::chunks(p, levels);
     for (int m = 0; m < MB; ++m) {
       const __m256 dx = _mm256_set1_ps(d * in.d[m * in.ldd + b]);
       if constexpr (F::MIN) {
         // levels 0..31; the minimum's term mn * sum(x) rides in lane 0 of the scaled dot
-        const __m256 t = _mm256_fmadd_ps(dx, udot(levels.q, in.levels(m, 32 * b)),
+        const __m256 t = _mm256_fmadd_ps(dx, udot(levels.q[0], in.levels(m, 32 * b)),
                                          _mm256_setr_ps(mn * in.s[m * in.ldd + b], 0, 0, 0, 0, 0, 0, 0));
         acc[m] = _mm256_add_ps(acc[m], t);
       } else {
-        acc[m] = _mm256_fmadd_ps(dx, sdot(levels.q, in.levels(m, 32 * b)), acc[m]);
+        acc[m] = _mm256_fmadd_ps(dx, sdot(levels.q[0], in.levels(m, 32 * b)), acc[m]);
       }
     }
   }
 };
 
-// Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and minimums (unpacked by params_k4_avx2).
-template <bool FIFTH_BIT>
+// Q4_K and Q5_K (FQ4_K, FQ5_K): 8 sub-blocks of 32 (one a chunk), levels 0..31, scales and
+// minimums (bias: - dmin * min).
+template <class F>
 struct K4 {
-  static constexpr int QK = 256, TS = FIFTH_BIT ? 176 : 144;
+  static constexpr int QK = 256, TS = F::TS;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    alignas(32) float scales[8], bias[8];  // bias: - dmin * min of each sub-block
-    params_k4_avx2(p, scales, bias);
+    alignas(32) float scales[8], bias[8];
+    F::params(p, scales, bias);
     const __m256 sc = _mm256_load_ps(scales), neg_mn = _mm256_load_ps(bias);
     __m256 coef[MB];
     for (int m = 0; m < MB; ++m) {
@@ -97,56 +101,30 @@ struct K4 {
       // - min * sum(x) for the 8 sub-blocks, lane by lane
       acc[m] = _mm256_fmadd_ps(neg_mn, _mm256_loadu_ps(in.s + m * in.ldd + 8 * b), acc[m]);
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const uint8_t* qs = p + (FIFTH_BIT ? 48 : 16);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = load256(qs + 32 * c);
-      __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      if constexpr (FIFTH_BIT) {
-        const __m256i qh = load256(p + 16), m16 = _mm256_set1_epi8(0x10);
-        lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to_4(qh, 2 * c), m16));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to_4(qh, 2 * c + 1), m16));
-      }
-      for (int m = 0; m < MB; ++m) {
-        const int64_t k = 256 * b + 64 * c;
-        acc[m] = _mm256_fmadd_ps(lane(coef[m], 2 * c), udot(lo, in.levels(m, k)), acc[m]);
-        acc[m] = _mm256_fmadd_ps(lane(coef[m], 2 * c + 1), udot(hi, in.levels(m, k + 32)), acc[m]);
-      }
-    }
+    ChunkSink<8> levels;
+    F::chunks(p, levels);
+    for (int i = 0; i < 8; ++i)
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm256_fmadd_ps(lane(coef[m], i), udot(levels.q[i], in.levels(m, 256 * b + 32 * i)), acc[m]);
   }
 };
 
-// Q6_K: 16 sub-blocks of 16, signed 8-bit scales; levels 0..63 - 32 (signed chunks).
+// Q6_K (FQ6_K): 16 sub-blocks of 16 (two a chunk), signed 8-bit scales, levels 0..63 - 32.
 struct Q6_K {
-  static constexpr int QK = 256, TS = 210;
+  static constexpr int QK = 256, TS = FQ6_K::TS;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    const __m256 d = _mm256_set1_ps(h2f(p + 208));
-    const __m128i raw = load128(p + 192);
-    const __m256 sc_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
-    const __m256 sc_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))));
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = load256(p + 64 * h), l1 = load256(p + 64 * h + 32);
-      const __m256i qh = load256(p + 128 + 32 * h);
-      // values 128 h + 32 t + j: nibble t / 2 of ql[64 h + 32 (t % 2) + j], bits 2t of qh[32 h + j]
-      __m256i q[4];
-      q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-      q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
-      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-      const __m256 sc = h ? sc_hi : sc_lo;
-      for (int t = 0; t < 4; ++t) {
-        const __m256i st = _mm256_sub_epi8(q[t], off);
-        // int32 lanes 0-3 sum values 0-15 of the chunk (sub-block 2t of this half), lanes 4-7 16-31
-        const __m256 scale = _mm256_permutevar8x32_ps(sc, _mm256_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
-                                                                            2 * t + 1, 2 * t + 1, 2 * t + 1));
-        const int i = 4 * h + t;  // chunk of the block
-        for (int m = 0; m < MB; ++m) {
-          const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(in.d[m * in.ldd + 8 * b + i]));
-          acc[m] = _mm256_fmadd_ps(s, sdot(st, in.levels(m, 256 * b + 32 * i)), acc[m]);
-        }
+    alignas(32) float sc[16];
+    FQ6_K::params(p, sc, nullptr);
+    ChunkSink<8> levels;
+    FQ6_K::chunks(p, levels);
+    for (int i = 0; i < 8; ++i) {
+      // int32 lanes 0-3 sum values 0-15 of the chunk (sub-block 2i), lanes 4-7 values 16-31
+      const __m256 scale =
+          _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sc[2 * i])), _mm_set1_ps(sc[2 * i + 1]), 1);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(in.d[m * in.ldd + 8 * b + i]));
+        acc[m] = _mm256_fmadd_ps(s, sdot(levels.q[i], in.levels(m, 256 * b + 32 * i)), acc[m]);
       }
     }
   }
@@ -215,10 +193,10 @@ inline bool int8_rows_product(const MatmulArgs& a, int64_t r0, int64_t r1) {
       int8_rows::rows<int8_rows::Legacy<FQ5_1>>(a, r0, r1);
       return true;
     case kQ4_K:
-      int8_rows::rows<int8_rows::K4<false>>(a, r0, r1);
+      int8_rows::rows<int8_rows::K4<FQ4_K>>(a, r0, r1);
       return true;
     case kQ5_K:
-      int8_rows::rows<int8_rows::K4<true>>(a, r0, r1);
+      int8_rows::rows<int8_rows::K4<FQ5_K>>(a, r0, r1);
       return true;
     case kQ6_K:
       int8_rows::rows<int8_rows::Q6_K>(a, r0, r1);
