@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from . import native_ext as _native_ext
 
-__all__ = ["available", "decoder_block_step", "PROJECTIONS"]
+__all__ = ["available", "decoder_block_step", "StackBlocks", "decoder_stack_step", "PROJECTIONS"]
 
 #: the projections, in the order ``weights`` / ``types`` / ``biases`` list them
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -32,8 +32,8 @@ _ext = _native_ext.extension()
 
 
 def available() -> bool:
-    """True when the native primitive is loaded."""
-    return _ext is not None and hasattr(_ext, "decoder_block_step")
+    """True when the native primitives are loaded."""
+    return _ext is not None and hasattr(_ext, "decoder_stack_step")
 
 
 def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq, *, offset: int, heads: int,
@@ -77,3 +77,66 @@ def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq,
         eps=float(eps), qk_eps=float(qk_eps), window=int(window or 0), qk_norm=qk_gains is not None,
         gelu=activation == "gelu_tanh", types=[int(t) for t in types], bias=[b is not None for b in biases],
         offset=int(offset), row_positions=positions is not None, stream=stream))
+
+
+class StackBlocks:
+    """Consecutive blocks prepared for `decoder_stack_step`: what stays the same from one step to the
+    next (parameters, options), worked out once.
+
+    Args:
+        blocks: one dict a block with the arguments of `decoder_block_step` other than ``x``, the
+            caches, ``offset`` and ``positions``: ``gains``, ``weights``, ``types``, ``biases``,
+            ``inv_freq``, ``heads``, ``kv_heads``, ``head_dim``, ``rope_dims``, ``rope_traditional``,
+            ``rope_scale``, ``attn_scale``, ``eps``, and optionally ``qk_gains``, ``qk_eps``,
+            ``window``, ``activation``.
+    """
+
+    def __init__(self, blocks):
+        self.ints, self.floats, self.inputs, self.cache_slots = [], [], [], []
+        for b in blocks:
+            activation = b.get("activation", "silu")
+            if activation not in ("silu", "gelu_tanh"):
+                raise ValueError(f"decoder_stack_step: activation must be silu or gelu_tanh, got {activation!r}")
+            biases, qk = b["biases"], b.get("qk_gains")
+            self.ints += [int(b["heads"]), int(b["kv_heads"]), int(b["head_dim"]), int(b["rope_dims"]),
+                          int(bool(b["rope_traditional"])), int(b.get("window") or 0), int(qk is not None),
+                          int(activation == "gelu_tanh"), *[int(t) for t in b["types"]],
+                          *[int(x is not None) for x in biases]]
+            self.floats += [float(b["rope_scale"]), float(b["attn_scale"]), float(b["eps"]),
+                            float(b.get("qk_eps", 1e-6))]
+            # (the stack's inputs 0 and 1 are x and the positions: see `decoder_stack_step`)
+            start = len(self.inputs) + 2
+            self.cache_slots.append((start + 9, start + 10))
+            self.inputs += [b["gains"][0], b["gains"][1], *b["weights"], None, None, b["inv_freq"]]
+            self.inputs += [x for x in biases if x is not None]
+            if qk is not None:
+                self.inputs += list(qk)
+
+    def __len__(self):
+        return len(self.cache_slots)
+
+
+def decoder_stack_step(x, blocks: StackBlocks, caches, *, offset: int, positions=None, stream=None):
+    """The blocks of ``blocks`` one after the other, each as `decoder_block_step`, for ``x``
+    ``[B, 1, D]``, as one native node, and each block's new key and value written into its cache
+    buffers at the new position (in place when nothing else holds a buffer, else into a copy).
+
+    Args:
+        caches: one ``(keys, values)`` a block, float32 ``[B, kv_heads, capacity, head_dim]``.
+        offset, positions: the new position, as `decoder_block_step` (the same for every block).
+    Returns:
+        ``(out, new_caches)``: the last block's output ``[B, 1, D]`` and one ``(keys, values)`` a
+        block, the buffers with the new position written.
+    Raises:
+        ValueError: an input of the wrong shape or dtype (the message names the block and input).
+    """
+    if len(caches) != len(blocks):
+        raise ValueError(f"decoder_stack_step: {len(caches)} caches for {len(blocks)} blocks")
+    inputs = [x, positions if positions is not None else x, *blocks.inputs]
+    for (k_slot, v_slot), (keys, values) in zip(blocks.cache_slots, caches):
+        inputs[k_slot], inputs[v_slot] = keys, values
+    if positions is None:
+        del inputs[1]  # (the native layout has the positions only with row_positions)
+    outs = _ext.decoder_stack_step(inputs, blocks.ints, blocks.floats, offset=int(offset),
+                                   row_positions=positions is not None, stream=stream)
+    return outs[0], list(zip(outs[1::2], outs[2::2]))

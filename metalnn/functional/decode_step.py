@@ -22,7 +22,7 @@ from ..cpu.device import on_cpu
 from ..device import resolve
 from ..kernels.op_math import rope_frequencies
 
-__all__ = ["BlockStep", "decoder_block_step"]
+__all__ = ["BlockStep", "decoder_block_step", "decoder_stack_step"]
 
 _ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -144,4 +144,59 @@ def decoder_block_step(x, step: BlockStep, cache, device=None):
     # MLX writes into the buffers themselves once the step has read them (nothing else holds them
     # then), as the op-by-op path's cache update does
     cache.write_rows(k_new, v_new)
+    return out
+
+
+def _stack_blocks(steps) -> native.StackBlocks | None:
+    """The plans' native stack arguments, worked out once per list of plans (kept with the first
+    plan); None when a plan's parameters do not run natively."""
+    p = steps[0].prepared
+    cached = p.get("stack")
+    if cached is not None and len(cached[0]) == len(steps) and all(a is b for a, b in zip(cached[0], steps)):
+        return cached[1]
+    blocks = None
+    if all(_prepared(s)["ok"] for s in steps):
+        blocks = native.StackBlocks([
+            dict(gains=s.gains, weights=_prepared(s)["weights"], types=_prepared(s)["types"],
+                 biases=_prepared(s)["biases"], inv_freq=_prepared(s)["inv_freq"], heads=s.heads,
+                 kv_heads=s.kv_heads, head_dim=s.head_dim, rope_dims=s.rope_dims,
+                 rope_traditional=s.rope_traditional, rope_scale=s.rope_scale, attn_scale=_prepared(s)["scale"],
+                 eps=s.eps, qk_gains=s.qk_gains, qk_eps=s.qk_eps, window=s.window, activation=s.activation)
+            for s in steps])
+    p["stack"] = (tuple(steps), blocks)
+    return blocks
+
+
+def decoder_stack_step(x, steps, caches, device=None):
+    """Consecutive blocks (``steps``, one `BlockStep` each) for ``x`` ``[B, 1, D]``, each with its
+    cache (``caches``: one `metalnn.layers.KVCache` or `metalnn.layers.BatchKVCache` a block, all of
+    one class and at the same positions; each is appended to), as one fused native node; returns the last block's output ``[B, 1, D]``, or None
+    (nothing done, the caches untouched) when the fused step does not apply to all of them (see the
+    module docstring; the caller then runs the blocks one by one).
+
+    The same as `decoder_block_step` block after block, with one graph node for the whole stack and
+    the new keys and values written into the cache buffers in place (a decoding step of a small
+    model is otherwise bound by the graph's size: its building in Python and its dispatch)."""
+    device = resolve(device)
+    if not steps or len(steps) != len(caches) or not _runs_natively(x, steps[0], caches[0].keys, device):
+        return None
+    first = caches[0]
+    ragged = getattr(first, "ragged", False)
+    offset = first.offset
+    for c in caches:
+        if type(c) is not type(first) or c.offset != offset:
+            return None
+        if ragged and c.lengths != first.lengths:
+            return None
+        if c.keys is not None and c.keys.dtype != mx.float32:
+            return None
+    blocks = _stack_blocks(steps)
+    if blocks is None:
+        return None
+    b = x.shape[0]
+    buffers = [c.buffers_for(b, s.kv_heads, s.head_dim, 1, mx.float32) for c, s in zip(caches, steps)]
+    out, written = native.decoder_stack_step(x, blocks, buffers, offset=offset,
+                                             positions=first.positions if ragged else None)
+    for c, (keys, values) in zip(caches, written):
+        c.advance(keys, values, 1)
     return out

@@ -112,6 +112,13 @@ class BatchKVCache(KVCache):
             self.keys, self.values = nk, nv
         return self.keys, self.values
 
+    def advance(self, keys, values, t: int):
+        """Take ``keys`` / ``values`` (the buffers of `buffers_for` with ``t`` new positions written
+        after each row's positions) as the cache."""
+        self.keys, self.values = keys, values
+        self._before = list(self.lengths)
+        self.lengths = [n + t for n in self.lengths]
+
     def write_rows(self, k, v):
         """Write one new position ``k``, ``v`` ``[B, Hkv, 1, head_dim]`` at each row's own column of
         the buffers of `buffers_for` (in place) and count it."""

@@ -131,19 +131,25 @@ class DecoderBlock(Layer):
             rope_freqs=attn._rope_freqs, attn_scale=attn.scale, window=attn.sliding_window, qk_gains=qk_gains,
             qk_eps=attn.norm_eps, activation=mlp.gate_activation)
 
-    def _fused_step(self, device, data, cache):
-        """One decoding position through `metalnn.functional.decoder_block_step` (the whole block as
-        one fused op where it applies); None when it does not (the caller runs the layers)."""
+    def fused_step_plan(self):
+        """The block as a `metalnn.functional.BlockStep` for decoding one position (kept until a
+        parameter changes), or None when the fused step does not run it (see `_step_plan`) or its
+        layers are not built yet (their first call builds them)."""
         if not (self["input_layernorm"].built and self[self.mixer_name].built and self["post_attention_layernorm"].built
                 and self["mlp"].built):
-            return None  # the first call builds them
+            return None
         key = (parameter_epoch(), self.training)
         cached = self.__dict__.get("_step_plan_cache")
         if cached is not None and cached[0] == key:
-            plan = cached[1]
-        else:  # (kept outside the module's parameter tree)
-            plan = self._step_plan()
-            object.__setattr__(self, "_step_plan_cache", (key, plan))
+            return cached[1]
+        plan = self._step_plan()
+        object.__setattr__(self, "_step_plan_cache", (key, plan))  # (kept outside the module's parameter tree)
+        return plan
+
+    def _fused_step(self, device, data, cache):
+        """One decoding position through `metalnn.functional.decoder_block_step` (the whole block as
+        one fused op where it applies); None when it does not (the caller runs the layers)."""
+        plan = self.fused_step_plan()
         if plan is None:
             return None
         return F.decoder_block_step(data.array, plan, cache, device=device)

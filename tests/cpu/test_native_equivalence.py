@@ -11,7 +11,8 @@
 
 The nodes are counted by name on the compiled graph (``mx.export_to_dot`` labels each node with
 its primitive's ``name()``). Parameters that cannot differ between two nodes reading the same
-inputs are not varied: a weight's presence (RMSNorm) or given periods (RoPE) add an input; a
+inputs are not varied: a weight's presence (RMSNorm), given periods (RoPE) or per-sequence
+positions (the cache writes' and the decoding steps' ``row_positions``) add an input; a
 packed weight fixes ``bits`` and ``group_size`` together; and the backward primitives that
 read their forward's outputs (the logsumexp of CrossEntropyVJP, the softmax of
 ScaledSoftmaxVJP) get different inputs whenever their forwards differ.
@@ -89,6 +90,15 @@ def _cases(ext):
                 eps=1e-5, qk_eps=1e-6, window=0, qk_norm=False, gelu=False, types=[-1] * 7, bias=[False] * 7,
                 offset=1)
     step_inputs = ["bx", "w16", "w16b", "wq16", "wk8", "wv8", "wo16", "wg24", "wu24", "wd16", "kc", "vc", "inv4"]
+    # the stack step of that one block (its inputs laid out as the block step's); the numbers of
+    # `step` as decoder_stack_step lists them (ints: heads, kv_heads, head_dim, rope_dims,
+    # rope_traditional, window, qk_norm, gelu, 7 types, 7 biases; floats: rope_scale, attn_scale, eps, qk_eps)
+    ints = [2, 1, 8, 8, 0, 0, 0, 0] + [-1] * 7 + [0] * 7
+    floats = [1.0, 0.3, 1e-5, 1e-6]
+    stack = dict(ints=ints, floats=floats, offset=1)
+    # its cache writes, the one cache buffer given as keys and values: the key write (output 1) and
+    # the value write (output 2) then read the same inputs and differ in where they read the new rows
+    write_inputs = step_inputs[:-2] + ["kc", "inv4"]
     return {
         "FastUnary": (f"Fast({UNARY})", lambda kind: getattr(ext, kind), ["x"], {"kind": "silu"},
                       {"kind": {"kind": "tanh"}}),
@@ -151,6 +161,17 @@ def _cases(ext):
                               "eps": {**step, "eps": 1e-3}, "qk_eps": {**step, "qk_eps": 1e-3},
                               "window": {**step, "window": 1}, "gelu": {**step, "gelu": True},
                               "offset": {**step, "offset": 2}}),
+        "DecoderStackStep": ("DecoderStackStep",
+                             lambda ints, floats, offset: lambda *a: ext.decoder_stack_step(list(a), ints, floats,
+                                                                                             offset=offset),
+                             step_inputs, stack,
+                             {"ints": {**stack, "ints": ints[:5] + [1] + ints[6:]},
+                              "floats": {**stack, "floats": [0.5] + floats[1:]}, "offset": {**stack, "offset": 2}}),
+        "CacheColumnWrite": ("CacheColumnWrite",
+                             lambda which, offset: lambda *a: ext.decoder_stack_step(list(a), ints, floats,
+                                                                                     offset=offset)[which],
+                             write_inputs, {"which": 1, "offset": 1},
+                             {"start": {"which": 2}, "offset": {"offset": 2}}),
     }
 
 
@@ -158,7 +179,7 @@ CASE_NAMES = ["FastUnary", "FastUnaryGrad", "FastSoftmax", "FastSoftmaxGrad", "I
               "AffineQuantizedMatmul", "AffineDequantize", "GGMLMatmul", "GGMLDequantize", "RmsNorm", "RmsNormVJP",
               "Rope", "Gated", "GatedVJP", "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP",
               "LayoutCopy", "AdamWUpdate", "CausalAttention", "CausalAttentionVJP", "GatedDelta", "GatedDeltaVJP",
-              "DecoderBlockStep"]
+              "DecoderBlockStep", "DecoderStackStep", "CacheColumnWrite"]
 VARIED = [(name, field) for name, fields in [
     ("FastUnary", ["kind"]), ("FastUnaryGrad", ["kind"]),
     ("Im2Col", ["kernel", "stride", "padding", "dilation"]),
@@ -172,6 +193,7 @@ VARIED = [(name, field) for name, fields in [
     ("AdamWUpdate", ["b1", "b2", "eps", "weight_decay", "bias_correction"]),
     ("CausalAttention", ["scale"]), ("CausalAttentionVJP", ["scale"]),
     ("DecoderBlockStep", ["rope_traditional", "rope_scale", "attn_scale", "eps", "qk_eps", "window", "gelu", "offset"]),
+    ("DecoderStackStep", ["ints", "floats", "offset"]), ("CacheColumnWrite", ["start", "offset"]),
 ] for field in fields]
 
 
@@ -211,7 +233,7 @@ def test_every_primitive_is_covered(ext):
     """Each primitive declares its name and is_equivalent through METALNN_PRIMITIVE, and has a case here."""
     sources = "".join(p.read_text() for p in sorted(SOURCES.glob("*.cpp")))
     assert "is_equivalent" not in sources
-    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 26
+    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 28
     assert list(_cases(ext)) == CASE_NAMES
 
 

@@ -1,5 +1,7 @@
 """The fused decoding step (`metalnn.functional.decoder_block_step`, one native node per block when
-decoding one position on the CPU) against transformers and against the op-by-op block.
+decoding one position on the CPU, and `decoder_stack_step`, one node for a model's whole stack of
+such blocks plus one in-place cache write per buffer) against transformers and against the op-by-op
+block.
 
 Oracles: transformers' logits of the whole sequence without a cache (float32 models of each block
 variant the step runs: GQA, q/k/v biases, q/k norms, sliding windows, Llama 3 RoPE frequencies, no RoPE;
@@ -95,7 +97,8 @@ def test_fused_decoding_matches_transformers(variant, tmp_path):
     model = load_pretrained(tmp_path)
     toks = np.random.default_rng(3).integers(0, BASE["vocab_size"], (2, 12))
     got, names = decode_logits(model, toks, 4)
-    assert names.count("DecoderBlockStep") == BASE["num_hidden_layers"], names
+    assert names.count("DecoderStackStep") == 1, names
+    assert names.count("CacheColumnWrite") == 2 * BASE["num_hidden_layers"], names
     want = hf_logits(hf, toks)[:, 4:]
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 2e-4, f"{variant}: relative error {err:.3g}"
@@ -121,12 +124,12 @@ def test_fused_step_falls_back_for_other_devices_and_adapters(tmp_path):
     toks = np.random.default_rng(5).integers(0, BASE["vocab_size"], (1, 7))
     want = hf_logits(hf, toks)[:, 4:]
     got, names = decode_logits(model, toks, 4, device=mn.Device(kernels="reference"))
-    assert "DecoderBlockStep" not in names
+    assert "DecoderBlockStep" not in names and "DecoderStackStep" not in names
     assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
     # a LoRA adapter on a projection: the block runs op by op (the adapter's output counts)
     mn.lora.apply(model, rank=2, targets=("q_proj",))
     _, names = decode_logits(model, toks, 4)
-    assert "DecoderBlockStep" not in names
+    assert "DecoderBlockStep" not in names and "DecoderStackStep" not in names
 
 
 @pytest.mark.parametrize("int8_inputs", [False, True])
@@ -141,10 +144,10 @@ def test_fused_decoding_with_ggml_weights(tmp_path, int8_inputs, float_products)
         cpu_ggml._ext.ggml_set_int8_rows(4)
     toks = np.random.default_rng(6).integers(0, 400, (2, 10))
     got, names = decode_logits(model, toks, 3)
-    assert names.count("DecoderBlockStep") == 2, names
+    assert names.count("DecoderStackStep") == 1, names
     cpu_ggml._ext.ggml_set_int8_rows(0)
     want, ref_names = decode_logits(model, toks, 3, device=mn.Device(kernels="reference"))
-    assert "DecoderBlockStep" not in ref_names
+    assert "DecoderStackStep" not in ref_names
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < (0.1 if int8_inputs else 1e-4), err
 
@@ -244,15 +247,15 @@ def test_new_weights_reach_the_fused_step(tmp_path):
     attn.q_proj.weight = attn.q_proj.weight * 1.5
     model.update({"model": {"layers": [{}, {"mlp": {"down_proj": {"weight": -model.model.layers[1].mlp.down_proj.weight}}}]}})
     got, names = decode_logits(model, toks, 4)
-    assert names.count("DecoderBlockStep") == 2
+    assert names.count("DecoderStackStep") == 1
     want, _ = decode_logits(model, toks, 4, device=mn.Device(kernels="reference"))
     assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
     assert np.abs(got - before).max() > 0.1 * np.abs(before).max()
 
 
 def test_cache_is_written_in_place(tmp_path):
-    # the step only reads the cache; MLX's slice update then writes the new position into the same
-    # buffer (a copy of every layer's cache per token would cost O(context) a token)
+    # the stack step only reads the caches; its cache writes then put the new position into the same
+    # buffers (a copy of every layer's cache per token would cost O(context) a token)
     hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
     hf.save_pretrained(tmp_path)
     model = load_pretrained(tmp_path)
@@ -261,10 +264,84 @@ def test_cache_is_written_in_place(tmp_path):
     buffers = set()
     for t in range(6):
         logits = model(mx.array([[4 + t]]), cache=cache)
-        assert "DecoderBlockStep" in node_names(logits)
+        assert "DecoderStackStep" in node_names(logits)
         mx.eval(logits)
         view = np.array(cache[1].keys, copy=False)
         buffers.add(view.__array_interface__["data"][0])
         del view
     assert len(buffers) == 1, buffers
     assert cache[1].offset == 9
+
+
+def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
+    # the stack runs each block's native step as decoder_block_step does: the same numbers, bit for
+    # bit (same kernels, same order); also for a batch of sequences of different lengths
+    # (`BatchKVCache`: each row at its own position, its new key and value at its own column)
+    from metalnn.layers.batch_cache import merge_rows
+    from metalnn.llm.models.decoder import DecoderStack
+
+    hf = hf_model(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, **BASE, head_dim=16)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    toks = np.random.default_rng(8).integers(0, BASE["vocab_size"], (2, 9))
+
+    def ragged_steps():
+        groups = []
+        for n in (3, 6):
+            caches = model.make_cache()
+            model(mx.array(toks[:1, :n]), cache=caches)
+            groups.append(caches)
+        caches = merge_rows(groups)
+        out = []
+        for t in range(3):
+            logits = model(mx.array(toks[:, 6 + t:7 + t]), cache=caches)
+            names = node_names(logits)
+            out.append(np.array(logits))
+        return np.stack(out), [c.lengths for c in caches], names
+
+    stacked, names = decode_logits(model, toks, 4)
+    ragged, lengths, ragged_names = ragged_steps()
+    assert names.count("DecoderStackStep") == 1 and ragged_names.count("DecoderStackStep") == 1
+    monkeypatch.setattr(DecoderStack, "_fused_step", lambda self, device, h, cache: None)
+    blocks, block_names = decode_logits(model, toks, 4)
+    ragged_blocks, block_lengths, _ = ragged_steps()
+    assert block_names.count("DecoderBlockStep") == 2 and "DecoderStackStep" not in block_names
+    np.testing.assert_array_equal(stacked, blocks)
+    np.testing.assert_array_equal(ragged, ragged_blocks)
+    assert lengths == block_lengths == [[6, 9]] * 2
+
+
+def test_stack_step_leaves_a_buffer_someone_holds(tmp_path):
+    # a cache buffer still held elsewhere (here: `held`) is not written: the step writes a copy
+    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    held = cache[0].keys
+    before = np.array(held)
+    mx.eval(model(mx.array([[4]]), cache=cache))
+    np.testing.assert_array_equal(np.array(held), before)
+    assert cache[0].offset == 4
+    new = np.array(cache[0].keys)
+    np.testing.assert_array_equal(new[:, :, :3], before[:, :, :3])
+    assert np.abs(new[:, :, 3]).max() > 0 and np.abs(before[:, :, 3]).max() == 0
+
+
+def test_bad_stack_inputs_name_the_block():
+    D, hd, H, G, I = 32, 8, 4, 2, 48
+    f32 = lambda *s: mx.zeros(s, mx.float32)  # noqa: E731
+    weights = [f32(H * hd, D), f32(G * hd, D), f32(G * hd, D), f32(D, H * hd), f32(I, D), f32(I, D), f32(D, I)]
+    block = dict(gains=(f32(D), f32(D)), weights=weights, types=[-1] * 7, biases=[None] * 7, inv_freq=f32(hd // 2),
+                 heads=H, kv_heads=G, head_dim=hd, rope_dims=hd, rope_traditional=False, rope_scale=1.0,
+                 attn_scale=hd ** -0.5, eps=1e-5)
+    blocks = native.StackBlocks([block, block])
+    caches = [(f32(1, G, 4, hd), f32(1, G, 4, hd)), (f32(1, G, 4, hd), f32(1, G, 4, hd))]
+    out, written = native.decoder_stack_step(f32(1, 1, D), blocks, caches, offset=0)
+    assert out.shape == (1, 1, D) and [k.shape for k, _ in written] == [(1, G, 4, hd)] * 2
+    with pytest.raises(ValueError, match=r"block 1: the value cache must be float32 of shape \(1, 2, 4, 8\)"):
+        native.decoder_stack_step(f32(1, 1, D), blocks, [caches[0], (caches[1][0], f32(1, G, 5, hd))], offset=0)
+    with pytest.raises(ValueError, match="2 caches for 1 blocks"):
+        native.decoder_stack_step(f32(1, 1, D), native.StackBlocks([block]), caches, offset=0)
+    with pytest.raises(ValueError, match="activation must be silu or gelu_tanh"):
+        native.StackBlocks([{**block, "activation": "relu"}])

@@ -11,7 +11,10 @@ import mlx.core as mx
 from ... import init as initializers
 from ...data import Data
 from ...errors import UnsupportedConfigError
+from ... import functional as F
+from ...layers.attention import KVCache
 from ...layers.base import Layer
+from ...layers.batch_cache import BatchKVCache
 from ...layers.embedding import Embedding
 from ...layers.linear import Linear
 from ...layers.norm import RMSNorm
@@ -50,9 +53,30 @@ class DecoderStack(Layer):
         h = self.compile_child(self.embed_tokens, device, data)
         if self.embed_scale is not None:
             h = Data(h.array * mx.array(self.embed_scale, dtype=h.array.dtype), h.dims)
-        for i, layer in enumerate(self.layers):
-            h = self.compile_child(layer, device, h, cache=cache[i] if cache is not None else None)
+        fused = self._fused_step(device, h, cache) if cache is not None and h.dims.H == 1 else None
+        if fused is not None:
+            h = Data(fused, h.dims)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = self.compile_child(layer, device, h, cache=cache[i] if cache is not None else None)
         return self.compile_child(self.norm, device, h)
+
+    def _fused_step(self, device, h, cache):
+        """One decoding position through every block as one fused node
+        (`metalnn.functional.decoder_stack_step`) when each block is a fused-step `DecoderBlock` with a
+        `KVCache` (or `BatchKVCache`); None otherwise (the blocks then run one by one)."""
+        if len(cache) != len(self.layers):
+            return None
+        steps = []
+        for layer, c in zip(self.layers, cache):
+            plan_of = getattr(layer, "fused_step_plan", None)
+            if plan_of is None or type(c) not in (KVCache, BatchKVCache):
+                return None
+            plan = plan_of()
+            if plan is None:
+                return None
+            steps.append(plan)
+        return F.decoder_stack_step(h.array, steps, cache, device=device)
 
 
 def build_decoder(lm, args, make_layer, *, eps: float | None = None, norm_offset: float = 0.0):

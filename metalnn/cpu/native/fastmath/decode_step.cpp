@@ -193,15 +193,20 @@ void rope_heads(float* x, int64_t count, const BlockSpec& sp, const std::vector<
   }
 }
 
+// The sizes of one block's step: M sequences of width D, MLP width I, cache capacity `cap`.
+struct BlockShape {
+  int64_t M = 0, D = 0, I = 0, cap = 0;
+};
+
 // The block for M sequences (one new position each); see the file comment.
-// `data[i]`: input i's values, row-major (the cache inputs are read through the outputs).
-void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std::vector<const void*>& data,
-               std::vector<mx::array>& out) {
-  const mx::array& xa = in[kX];
-  const int64_t D = xa.shape(-1), M = static_cast<int64_t>(xa.size()) / D;
+// `data[i]`: input i's values (the layout of `Input`), row-major; `data[kX]` the block's input
+// [M, D]. Writes the block's output y [M, D] and the new position's key and value
+// k_out, v_out [M, Hkv, hd]. `rows[p]`: projection p's weight rows.
+void run_block(const BlockSpec& sp, const std::vector<const void*>& data, const std::array<int64_t, kProjections>& rows,
+               const BlockShape& shape, float* y, float* k_out, float* v_out) {
+  const int64_t D = shape.D, M = shape.M, I = shape.I, cap = shape.cap, pos = sp.offset;
   const int hd = sp.head_dim, H = sp.heads, G = sp.kv_heads, rep = H / G;
-  const int64_t nq = int64_t(H) * hd, nkv = int64_t(G) * hd, I = in[kWeights + kUp].shape(0);
-  const int64_t cap = in[kKCache].shape(2), pos = sp.offset;
+  const int64_t nq = int64_t(H) * hd, nkv = int64_t(G) * hd;
   const auto floats = [&](int i) { return static_cast<const float*>(data[i]); };
   const float* x = floats(kX);
   const auto bias = [&](int p) { return floats(sp.bias_input(p)); };
@@ -209,7 +214,7 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
   std::vector<float> n1(M * D), q(M * nq), k(M * nkv), v(M * nkv), att(M * nq), h(M * D), gate(M * I), up(M * I);
   std::array<ProjectionProduct, kProjections> proj;
   const auto prepare = [&](int p, const float* src, int64_t width, float* dst) {
-    proj[p].prepare(data[kWeights + p], in[kWeights + p].shape(0), sp.types[p], src, M, width, dst);
+    proj[p].prepare(data[kWeights + p], rows[p], sp.types[p], src, M, width, dst);
   };
 
   // attention input projections
@@ -251,8 +256,8 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
   }
 
   // the new position's key and value: [B, Hkv, 1, hd]
-  std::copy(k.begin(), k.end(), out[1].data<float>());
-  std::copy(v.begin(), v.end(), out[2].data<float>());
+  std::copy(k.begin(), k.end(), k_out);
+  std::copy(v.begin(), v.end(), v_out);
   const float* kc = floats(kKCache);  // [B, Hkv, cap, hd]
   const float* vc = floats(kVCache);
 
@@ -281,7 +286,6 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
   });
 
   // output projection and residual
-  float* y = out[0].data<float>();
   prepare(kO, att.data(), nq, h.data());
   run_products({&proj[kO]}, nq, M);
   if (sp.bias[kO]) add_bias(h.data(), bias(kO), M, D);
@@ -303,35 +307,65 @@ void run_block(const BlockSpec& sp, const std::vector<mx::array>& in, const std:
   for (int64_t i = 0; i < M * D; ++i) y[i] += h[i];
 }
 
+// Every input as a row-major buffer: its own memory, or a copy kept in `copies` when strided.
+struct RowMajorInputs {
+  std::vector<std::vector<float>> float_copies;
+  std::vector<std::vector<uint8_t>> byte_copies;
+  std::vector<std::vector<int32_t>> int_copies;
+  std::vector<const void*> data;
+
+  explicit RowMajorInputs(const std::vector<mx::array>& in)
+      : float_copies(in.size()), byte_copies(in.size()), int_copies(in.size()), data(in.size(), nullptr) {
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (in[i].dtype() == mx::uint8) {
+        data[i] = metalnn_native::contiguous_data<uint8_t>(in[i], byte_copies[i]);
+      } else if (in[i].dtype() == mx::int32) {
+        data[i] = metalnn_native::contiguous_data<int32_t>(in[i], int_copies[i]);
+      } else {
+        data[i] = metalnn_native::contiguous_data<float>(in[i], float_copies[i]);
+      }
+    }
+  }
+};
+
+// A block's sizes from its inputs in the layout of `Input` (x [B, 1, D], caches [B, Hkv, cap, hd]).
+BlockShape block_shape(const mx::array& x, const mx::array& up_weight, const mx::array& keys) {
+  const int64_t D = x.shape(-1);
+  return BlockShape{static_cast<int64_t>(x.size()) / D, D, up_weight.shape(0), keys.shape(2)};
+}
+
+std::array<int64_t, kProjections> weight_rows(const std::vector<mx::array>& in, size_t first_weight) {
+  std::array<int64_t, kProjections> rows{};
+  for (int p = 0; p < kProjections; ++p) rows[p] = in[first_weight + p].shape(0);
+  return rows;
+}
+
+// Allocates every output and hands the inputs and outputs to the CPU stream's encoder; returns
+// weak copies of both for the dispatched task.
+std::pair<std::vector<mx::array>, std::vector<mx::array>> encode(mx::cpu::CommandEncoder& enc,
+                                                                 const std::vector<mx::array>& inputs,
+                                                                 std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  for (const auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  std::vector<mx::array> in, out;
+  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  for (const auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
+  return {std::move(in), std::move(out)};
+}
+
 class DecoderBlockStep : public mx::Primitive {
  public:
   DecoderBlockStep(mx::Stream s, BlockSpec sp) : mx::Primitive(s), sp_(sp) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    for (const auto& a : inputs) enc.set_input_array(a);
-    for (auto& o : outputs) enc.set_output_array(o);
-    std::vector<mx::array> in, out;
-    for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    for (const auto& a : outputs) out.push_back(mx::array::unsafe_weak_copy(a));
+    auto [in, out] = encode(enc, inputs, outputs);
     enc.dispatch([in = std::move(in), out = std::move(out), sp = sp_]() mutable {
       if (in[kX].size() == 0) return;
-      // every input as a row-major buffer (its own memory unless strided)
-      std::vector<std::vector<float>> float_copies(in.size());
-      std::vector<std::vector<uint8_t>> byte_copies(in.size());
-      std::vector<std::vector<int32_t>> int_copies(in.size());
-      std::vector<const void*> data(in.size(), nullptr);
-      for (size_t i = 0; i < in.size(); ++i) {
-        if (in[i].dtype() == mx::uint8) {
-          data[i] = metalnn_native::contiguous_data<uint8_t>(in[i], byte_copies[i]);
-        } else if (in[i].dtype() == mx::int32) {
-          data[i] = metalnn_native::contiguous_data<int32_t>(in[i], int_copies[i]);
-        } else {
-          data[i] = metalnn_native::contiguous_data<float>(in[i], float_copies[i]);
-        }
-      }
-      run_block(sp, in, data, out);
+      const RowMajorInputs rm(in);
+      run_block(sp, rm.data, weight_rows(in, kWeights), block_shape(in[kX], in[kWeights + kUp], in[kKCache]),
+                out[0].data<float>(), out[1].data<float>(), out[2].data<float>());
     });
   }
 
@@ -354,6 +388,158 @@ class DecoderBlockStep : public mx::Primitive {
 
  private:
   BlockSpec sp_;
+};
+
+// Where block b's inputs sit among a stack step's inputs: [x, positions (with row_positions)], then
+// each block's inputs in the layout of `Input` without x and positions.
+struct StackLayout {
+  std::vector<size_t> base;  // index of block b's input kGain1
+
+  StackLayout(const std::vector<BlockSpec>& specs, bool row_positions) {
+    size_t at = row_positions ? 2 : 1;
+    for (const auto& sp : specs) {
+      base.push_back(at);
+      at += static_cast<size_t>(sp.num_inputs() - 1 - (row_positions ? 1 : 0));
+    }
+    end = at;
+  }
+  // the stack input holding block b's input i (i != kX, i != positions)
+  size_t at(size_t b, int i) const {
+    return base[b] + static_cast<size_t>(i - 1);
+  }
+  size_t end = 0;
+};
+
+// A run of blocks, each as `DecoderBlockStep`, one after another for one new position: outputs the
+// last block's output [B, 1, D] and every block's new key and value, packed float32
+// [sum over blocks of 2 * B * Hkv * hd] (block b's keys, then its values, each [B, Hkv, hd]), which
+// `CacheColumnWrite` puts into the caches. One graph node and one task for the whole stack.
+class DecoderStackStep : public mx::Primitive {
+ public:
+  DecoderStackStep(mx::Stream s, std::vector<BlockSpec> specs) : mx::Primitive(s), specs_(std::move(specs)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    auto [in, out] = encode(enc, inputs, outputs);
+    enc.dispatch([in = std::move(in), out = std::move(out), specs = specs_]() mutable {
+      if (in[kX].size() == 0) return;
+      const bool row_positions = specs.front().row_positions;
+      const StackLayout layout(specs, row_positions);
+      const RowMajorInputs rm(in);
+      const int64_t D = in[kX].shape(-1), M = static_cast<int64_t>(in[kX].size()) / D;
+      std::vector<float> ping(static_cast<size_t>(M * D)), pong(static_cast<size_t>(M * D));
+      const float* x = static_cast<const float*>(rm.data[kX]);
+      float* packed = out[1].data<float>();
+      for (size_t b = 0; b < specs.size(); ++b) {
+        const BlockSpec& sp = specs[b];
+        std::vector<const void*> data(static_cast<size_t>(sp.num_inputs()), nullptr);
+        for (int i = 1; i < sp.num_inputs(); ++i) {
+          if (row_positions && i == sp.positions_input()) {
+            data[i] = rm.data[1];
+          } else {
+            data[i] = rm.data[layout.at(b, i)];
+          }
+        }
+        data[kX] = x;
+        std::array<int64_t, kProjections> rows{};
+        for (int p = 0; p < kProjections; ++p) rows[p] = in[layout.at(b, kWeights + p)].shape(0);
+        const mx::array& keys = in[layout.at(b, kKCache)];
+        const BlockShape shape{M, D, rows[kUp], keys.shape(2)};
+        float* y = b + 1 == specs.size() ? out[0].data<float>() : (b % 2 ? pong.data() : ping.data());
+        const int64_t kv = M * sp.kv_heads * sp.head_dim;
+        run_block(sp, data, rows, shape, y, packed, packed + kv);
+        packed += 2 * kv;
+        x = y;
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[DecoderStackStep] has no GPU implementation");
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
+                             const std::vector<mx::array>&) override {
+    throw std::invalid_argument(
+        "[decoder_stack_step] is for decoding only and has no gradient; differentiate the model without a cache");
+  }
+
+  METALNN_PRIMITIVE("DecoderStackStep", specs_)
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[kX].shape(), {packed_size(inputs[kX].shape(0))}};
+  }
+
+  int packed_size(int batch) const {
+    int n = 0;
+    for (const auto& sp : specs_) n += 2 * batch * sp.kv_heads * sp.head_dim;
+    return n;
+  }
+
+ private:
+  std::vector<BlockSpec> specs_;
+};
+
+// A cache buffer [B, Hkv, cap, hd] with one new column written: each sequence's key (or value)
+// [Hkv, hd], taken from `packed` at element `start` ([B, Hkv, hd]), at column `offset` (or, with
+// row_positions, at the sequence's own position, clamped to the buffer). Writes in place when
+// MLX may hand the output the cache's buffer (nothing else holds it), else into a copy.
+class CacheColumnWrite : public mx::Primitive {
+ public:
+  CacheColumnWrite(mx::Stream s, int64_t start, int offset, bool row_positions)
+      : mx::Primitive(s), start_(start), offset_(offset), row_positions_(row_positions) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array& cache = inputs[0];
+    mx::array& out = outputs[0];
+    const bool in_place = cache.is_donatable() && cache.flags().row_contiguous;
+    if (in_place) {
+      out.copy_shared_buffer(cache);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    std::vector<mx::array> in;
+    for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), in_place, start = start_,
+                  offset = offset_, row_positions = row_positions_]() mutable {
+      const mx::array& c = in[0];
+      float* dst = out.data<float>();
+      if (!in_place) {
+        std::vector<float> keep;
+        const float* src = metalnn_native::contiguous_data<float>(c, keep);
+        std::copy(src, src + c.size(), dst);
+      }
+      const int64_t B = c.shape(0), G = c.shape(1), cap = c.shape(2), hd = c.shape(3);
+      if (cap == 0) return;
+      const float* rows = in[1].data<float>() + start;
+      const int32_t* positions = row_positions ? in[2].data<int32_t>() : nullptr;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t col = std::clamp<int64_t>(positions ? positions[b] : offset, 0, cap - 1);
+        for (int64_t g = 0; g < G; ++g)
+          std::copy(rows + (b * G + g) * hd, rows + (b * G + g + 1) * hd, dst + ((b * G + g) * cap + col) * hd);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[CacheColumnWrite] has no GPU implementation");
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
+                             const std::vector<mx::array>&) override {
+    throw std::invalid_argument("[decoder_stack_step] is for decoding only and has no gradient");
+  }
+
+  METALNN_PRIMITIVE("CacheColumnWrite", start_, offset_, row_positions_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
+
+ private:
+  int64_t start_;
+  int offset_;
+  bool row_positions_;
 };
 
 [[noreturn]] void refuse(const std::string& what) {
@@ -393,48 +579,134 @@ void expect_weight(const mx::array& w, int p, int type, int64_t N, int64_t K) {
   expect(w, kProjectionNames[p], {static_cast<int>(N), static_cast<int>(K / t->block * t->size)}, mx::uint8);
 }
 
-std::vector<mx::array> decoder_block_step_op(const std::vector<mx::array>& inputs, const BlockSpec& sp,
-                                             mx::StreamOrDevice sd) {
-  auto s = mx::to_stream(sd);
-  if (s.device != mx::Device::cpu) refuse("runs on CPU streams only");
+void check_spec(const BlockSpec& sp) {
   if (sp.heads <= 0 || sp.kv_heads <= 0 || sp.heads % sp.kv_heads || sp.head_dim <= 0)
     refuse("heads must be a positive multiple of kv_heads, head_dim positive");
   if (sp.rope_dims < 0 || sp.rope_dims % 2 || sp.rope_dims > sp.head_dim)
     refuse("rope_dims must be even and at most head_dim, got " + std::to_string(sp.rope_dims));
-  if (static_cast<int>(inputs.size()) != sp.num_inputs())
-    refuse("expected " + std::to_string(sp.num_inputs()) + " input arrays for these options, got " +
-           std::to_string(inputs.size()));
-  const auto& x = inputs[kX];
+}
+
+// Checks a block's inputs; `at(i)` is input i of the layout of `Input`.
+template <class At>
+void check_block_inputs(const BlockSpec& sp, const At& at) {
+  const auto& x = at(kX);
   if (x.ndim() != 3 || x.shape(1) != 1 || x.dtype() != mx::float32)
     refuse("x must be float32 [B, 1, D] (one new position a sequence), got " + shape_str(x.shape()));
   const int B = x.shape(0), D = x.shape(2), hd = sp.head_dim;
   const int nq = sp.heads * hd, nkv = sp.kv_heads * hd;
-  const int I = inputs[kWeights + kUp].shape(0);
-  expect(inputs[kGain1], "input_layernorm gain", {D}, mx::float32);
-  expect(inputs[kGain2], "post_attention_layernorm gain", {D}, mx::float32);
+  const int I = at(kWeights + kUp).shape(0);
+  expect(at(kGain1), "input_layernorm gain", {D}, mx::float32);
+  expect(at(kGain2), "post_attention_layernorm gain", {D}, mx::float32);
   const std::array<std::array<int64_t, 2>, kProjections> dims = {{{nq, D}, {nkv, D}, {nkv, D}, {D, nq}, {I, D},
                                                                   {I, D}, {D, I}}};
   for (int p = 0; p < kProjections; ++p) {
-    expect_weight(inputs[kWeights + p], p, sp.types[p], dims[p][0], dims[p][1]);
-    if (sp.bias[p]) expect(inputs[sp.bias_input(p)], kProjectionNames[p], {static_cast<int>(dims[p][0])}, mx::float32);
+    expect_weight(at(kWeights + p), p, sp.types[p], dims[p][0], dims[p][1]);
+    if (sp.bias[p]) expect(at(sp.bias_input(p)), kProjectionNames[p], {static_cast<int>(dims[p][0])}, mx::float32);
   }
-  const auto& kc = inputs[kKCache];
+  const auto& kc = at(kKCache);
   if (kc.ndim() != 4 || kc.shape(0) != B || kc.shape(1) != sp.kv_heads || kc.shape(3) != hd || kc.dtype() != mx::float32)
     refuse("the key cache must be float32 [" + std::to_string(B) + ", " + std::to_string(sp.kv_heads) +
            ", capacity, " + std::to_string(hd) + "], got " + shape_str(kc.shape()));
-  expect(inputs[kVCache], "the value cache", {kc.shape(0), kc.shape(1), kc.shape(2), kc.shape(3)}, mx::float32);
+  expect(at(kVCache), "the value cache", {kc.shape(0), kc.shape(1), kc.shape(2), kc.shape(3)}, mx::float32);
   if (sp.offset < 0 || sp.offset >= kc.shape(2))
     refuse("offset " + std::to_string(sp.offset) + " is outside the cache capacity " + std::to_string(kc.shape(2)));
-  expect(inputs[kInvFreq], "inv_freq", {sp.rope_dims / 2}, mx::float32);
+  expect(at(kInvFreq), "inv_freq", {sp.rope_dims / 2}, mx::float32);
   if (sp.qk_norm) {
-    expect(inputs[sp.qk_norm_input()], "q_norm gain", {hd}, mx::float32);
-    expect(inputs[sp.qk_norm_input() + 1], "k_norm gain", {hd}, mx::float32);
+    expect(at(sp.qk_norm_input()), "q_norm gain", {hd}, mx::float32);
+    expect(at(sp.qk_norm_input() + 1), "k_norm gain", {hd}, mx::float32);
   }
-  // (the starts' values are checked when the step runs: they are not known before)
-  if (sp.row_positions) expect(inputs[sp.positions_input()], "positions", {B}, mx::int32);
+  // (the positions' values are checked when the step runs: they are not known before)
+  if (sp.row_positions) expect(at(sp.positions_input()), "positions", {B}, mx::int32);
+}
+
+std::vector<mx::array> decoder_block_step_op(const std::vector<mx::array>& inputs, const BlockSpec& sp,
+                                             mx::StreamOrDevice sd) {
+  auto s = mx::to_stream(sd);
+  if (s.device != mx::Device::cpu) refuse("runs on CPU streams only");
+  check_spec(sp);
+  if (static_cast<int>(inputs.size()) != sp.num_inputs())
+    refuse("expected " + std::to_string(sp.num_inputs()) + " input arrays for these options, got " +
+           std::to_string(inputs.size()));
+  check_block_inputs(sp, [&](int i) -> const mx::array& { return inputs[i]; });
+  const auto& x = inputs[kX];
+  const auto& kc = inputs[kKCache];
   const mx::Shape row = {kc.shape(0), kc.shape(1), 1, kc.shape(3)};
   return mx::array::make_arrays({x.shape(), row, row}, {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<DecoderBlockStep>(s, sp), inputs);
+}
+
+// The stack step and its cache writes: [out, block 0's new keys buffer, its values buffer, block 1's
+// keys, ...] (see `DecoderStackStep`).
+std::vector<mx::array> decoder_stack_step_op(const std::vector<mx::array>& inputs, const std::vector<BlockSpec>& specs,
+                                             mx::StreamOrDevice sd) {
+  auto s = mx::to_stream(sd);
+  if (s.device != mx::Device::cpu) refuse("runs on CPU streams only");
+  if (specs.empty()) refuse("a stack step needs at least one block");
+  const bool row_positions = specs.front().row_positions;
+  const StackLayout layout(specs, row_positions);
+  if (inputs.size() != layout.end)
+    refuse("expected " + std::to_string(layout.end) + " input arrays for these blocks, got " +
+           std::to_string(inputs.size()));
+  for (size_t b = 0; b < specs.size(); ++b) {
+    const BlockSpec& sp = specs[b];
+    check_spec(sp);
+    if (sp.offset != specs.front().offset || sp.row_positions != row_positions)
+      refuse("every block of a stack step decodes the same position");
+    try {
+      check_block_inputs(sp, [&](int i) -> const mx::array& {
+        if (i == kX) return inputs[kX];
+        if (row_positions && i == sp.positions_input()) return inputs[1];
+        return inputs[layout.at(b, i)];
+      });
+    } catch (const std::invalid_argument& e) {
+      refuse("block " + std::to_string(b) + ": " + std::string(e.what()).substr(std::string("[decoder_block_step] ").size()));
+    }
+  }
+  const auto& x = inputs[kX];
+  auto stack = std::make_shared<DecoderStackStep>(s, specs);
+  const int B = x.shape(0);
+  auto outs = mx::array::make_arrays({x.shape(), {stack->packed_size(B)}}, {mx::float32, mx::float32}, stack, inputs);
+  std::vector<mx::array> result = {outs[0]};
+  int64_t start = 0;
+  for (size_t b = 0; b < specs.size(); ++b) {
+    const int64_t kv = int64_t(B) * specs[b].kv_heads * specs[b].head_dim;
+    for (int which = 0; which < 2; ++which) {
+      const mx::array& cache = inputs[layout.at(b, which ? kVCache : kKCache)];
+      std::vector<mx::array> write_inputs = {cache, outs[1]};
+      if (row_positions) write_inputs.push_back(inputs[1]);
+      result.push_back(mx::array(cache.shape(), mx::float32,
+                                 std::make_shared<CacheColumnWrite>(s, start, specs.front().offset, row_positions),
+                                 std::move(write_inputs)));
+      start += kv;
+    }
+  }
+  return result;
+}
+
+// Integers and floats of a BlockSpec as the Python side lists them (see `register_decode_step`).
+constexpr int kSpecInts = 8 + 2 * kProjections, kSpecFloats = 4;
+
+BlockSpec spec_from(const int* v, const float* f, int offset, bool row_positions) {
+  BlockSpec sp;
+  sp.heads = v[0];
+  sp.kv_heads = v[1];
+  sp.head_dim = v[2];
+  sp.rope_dims = v[3];
+  sp.rope_traditional = v[4] != 0;
+  sp.window = std::max(0, v[5]);
+  sp.qk_norm = v[6] != 0;
+  sp.gelu = v[7] != 0;
+  for (int p = 0; p < kProjections; ++p) {
+    sp.types[p] = v[8 + p];
+    sp.bias[p] = v[8 + kProjections + p] != 0;
+  }
+  sp.rope_scale = f[0];
+  sp.attn_scale = f[1];
+  sp.eps = f[2];
+  sp.qk_eps = f[3];
+  sp.offset = offset;
+  sp.row_positions = row_positions;
+  return sp;
 }
 
 }  // namespace
@@ -449,26 +721,11 @@ void register_decode_step(nb::module_& m) {
          bool row_positions, mx::StreamOrDevice s) {
         if (types.size() != kProjections || bias.size() != kProjections)
           refuse("types and bias must list the 7 projections (q, k, v, o, gate, up, down)");
-        BlockSpec sp;
-        sp.heads = heads;
-        sp.kv_heads = kv_heads;
-        sp.head_dim = head_dim;
-        sp.rope_dims = rope_dims;
-        sp.rope_traditional = rope_traditional;
-        sp.rope_scale = rope_scale;
-        sp.attn_scale = attn_scale;
-        sp.eps = eps;
-        sp.qk_eps = qk_eps;
-        sp.window = std::max(0, window);
-        sp.qk_norm = qk_norm;
-        sp.gelu = gelu;
-        for (int p = 0; p < kProjections; ++p) {
-          sp.types[p] = types[p];
-          sp.bias[p] = bias[p];
-        }
-        sp.offset = offset;
-        sp.row_positions = row_positions;
-        return decoder_block_step_op(inputs, sp, s);
+        std::vector<int> v = {heads, kv_heads, head_dim, rope_dims, rope_traditional, window, qk_norm, gelu};
+        for (int p = 0; p < kProjections; ++p) v.push_back(types[p]);
+        for (int p = 0; p < kProjections; ++p) v.push_back(bias[p]);
+        const float f[kSpecFloats] = {rope_scale, attn_scale, eps, qk_eps};
+        return decoder_block_step_op(inputs, spec_from(v.data(), f, offset, row_positions), s);
       },
       nb::arg("inputs"),
       nb::kw_only(),
@@ -491,4 +748,26 @@ void register_decode_step(nb::module_& m) {
       nb::arg("stream") = nb::none(),
       "One Llama-family decoder block for one new position a sequence: [out, new key, new value] "
       "(see metalnn/cpu/decode_step.py for the inputs).");
+
+  m.def(
+      "decoder_stack_step",
+      [](const std::vector<mx::array>& inputs, const std::vector<int>& ints, const std::vector<float>& floats,
+         int offset, bool row_positions, mx::StreamOrDevice s) {
+        if (ints.empty() || ints.size() % kSpecInts || floats.size() * kSpecInts != ints.size() * kSpecFloats)
+          refuse("ints and floats must hold " + std::to_string(kSpecInts) + " and " + std::to_string(kSpecFloats) +
+                 " numbers a block");
+        std::vector<BlockSpec> specs;
+        for (size_t b = 0; b < ints.size() / kSpecInts; ++b)
+          specs.push_back(spec_from(ints.data() + b * kSpecInts, floats.data() + b * kSpecFloats, offset, row_positions));
+        return decoder_stack_step_op(inputs, specs, s);
+      },
+      nb::arg("inputs"),
+      nb::arg("ints"),
+      nb::arg("floats"),
+      nb::kw_only(),
+      nb::arg("offset"),
+      nb::arg("row_positions") = false,
+      nb::arg("stream") = nb::none(),
+      "Consecutive decoder blocks, each as decoder_block_step, as one node, and the caches with the "
+      "new position written: [out, keys 0, values 0, keys 1, ...] (see metalnn/cpu/decode_step.py).");
 }
