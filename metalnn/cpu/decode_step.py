@@ -1,4 +1,5 @@
-"""One Llama-family decoder block for one new position, as one native CPU primitive.
+"""Llama-family decoder blocks for one new position, as native CPU primitives: one block
+(`decoder_block_step`) or a run of blocks with their cache writes (`decoder_stack_step`).
 
 ``decoder_block_step`` runs, for ``x`` ``[B, 1, D]`` (one new token of each of B sequences)::
 
@@ -13,7 +14,13 @@ and the products that read the same input run as one multi-threaded pass (built 
 ``metalnn/cpu/native/fastmath/decode_step.cpp``). Weights: GGML block types (the kernels of
 `metalnn.cpu.ggml`) or float32 ``[N, K]``. Inference only (no gradient).
 
-Use it through `metalnn.functional.decoder_block_step`, which decides when it applies.
+``decoder_stack_step`` runs consecutive blocks (prepared once as `StackBlocks`) the same way as one
+node, and writes each block's new key and value into its cache buffers (one node a buffer, in place
+when nothing else holds the buffer): for a decoding model a single node and 2 x layers small writes
+a token, instead of a node, two outputs and two slice updates a block.
+
+Use them through `metalnn.functional.decoder_block_step` and `decoder_stack_step`, which decide
+when they apply.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ block is ~40 graph nodes, each built in Python and dispatched on its own. On the
 runs the block as one native node; elsewhere (Metal, the reference and kernel devices, other
 dtypes, weight formats without a native product) this returns None and the block runs op by op
 (its reference: the same formulas, which the tests compare with transformers).
+
+`decoder_stack_step` runs a model's whole stack of such blocks as one native node (the
+`metalnn.llm` decoder stacks take it when every block qualifies): building a 30-block step in
+Python then costs ~1 ms instead of ~3.
 """
 
 from __future__ import annotations

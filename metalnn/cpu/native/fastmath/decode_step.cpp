@@ -1,5 +1,5 @@
-// One Llama-family decoder block for one new position of each sequence, as a single MLX CPU
-// primitive (metalnn/cpu/decode_step.py is the Python API):
+// Llama-family decoder blocks for one new position of each sequence, as MLX CPU primitives
+// (metalnn/cpu/decode_step.py is the Python API). One block:
 //
 //   n1  = rms_norm(x) * g1
 //   q, k, v = q_proj(n1), k_proj(n1), v_proj(n1)   (+ biases; per-head RMSNorm of q and k; RoPE at `offset`)
@@ -10,17 +10,20 @@
 //
 // Decoding a small model is bound by everything around the products: built from separate MLX ops
 // a block is ~40 graph nodes, each with its own dispatch, buffers and thread wake-ups. Here a block
-// is one node; the projections that read the same input run as one multi-threaded pass over their
-// rows (q, k and v; gate and up), the attention one pass over the heads.
+// is one node (DecoderBlockStep), and a model's whole run of such blocks can be one node too
+// (DecoderStackStep); the projections that read the same input run as one multi-threaded pass over
+// their rows (q, k and v; gate and up), the attention one pass over the heads.
 //
 // Weights: packed in a GGML block type (the kernels of ggml_kernels.h, as GGMLMatmul runs them, so
 // the products equal the unfused ones) or float32 [N, K]. The KV cache buffers [B, Hkv, capacity,
-// head_dim] (float32) are only read; outputs 1 and 2 are the new position's key and value
-// [B, Hkv, 1, head_dim], which the caller writes into the cache with MLX's slice update. (That
-// update works in place: MLX hands a single-output op its input's buffer when nothing else holds
-// it. A multi-output primitive such as this one never gets that: each of its outputs keeps its
-// own reference to every input until it is evaluated.)
-// Inference only: the primitive has no gradient.
+// head_dim] (float32) are only read by the steps. DecoderBlockStep outputs the new position's key
+// and value [B, Hkv, 1, head_dim], which the caller writes into the cache with MLX's slice update;
+// DecoderStackStep outputs every block's new key and value packed in one array, and one
+// CacheColumnWrite node a buffer puts them in. Those writes work in place: MLX lets a single-output
+// node take its input's buffer when nothing else holds it (a multi-output primitive never gets
+// that: each of its outputs keeps its own reference to every input until it is evaluated, which is
+// why the writes are nodes of their own).
+// Inference only: the primitives have no gradient.
 
 #include "decode_step.h"
 
