@@ -245,18 +245,24 @@ class BatchGenerator:
             return False
         return all(self.can_pipeline(s) for s in self._running)
 
-    def _queue_step(self, inputs) -> _Pending:
+    def _queue_step(self, inputs, after: _Pending | None = None) -> _Pending:
+        """Build the next decoding step's graph and queue it; with ``after`` (the step queued
+        before), the graph is built while that step runs, but queued once it has finished: the new
+        step's cache writes can then take over the cache buffers in place (MLX decides when
+        queuing), instead of copying every layer's cache while the running step still holds them."""
         with self._selected(self._running):
             logits = self.model(inputs, cache=self._caches, device=self.device)[:, -1, :]
         self.steps += 1
         tokens, read = self.sample_lazy(self._running, logits)
+        if after is not None:
+            mx.eval(after.tokens)
         mx.async_eval(tokens)
         return _Pending(list(self._running), tokens, read)
 
     def _decode_pipelined(self) -> list:
         prev = self._pending
         inputs = prev.tokens[:, None] if prev is not None else mx.array(self._last, dtype=mx.int32)[:, None]
-        self._pending = self._queue_step(inputs)
+        self._pending = self._queue_step(inputs, after=prev)
         return self._read(prev) if prev is not None else []
 
     def _flush(self) -> list:

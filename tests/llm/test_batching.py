@@ -322,3 +322,46 @@ def test_pipelined_steps_give_each_sequence_its_lone_greedy_tokens(checkpoints):
         again.step()
     assert follow.cached_prefix >= len(full) - 2
     assert follow.tokens == greedy_alone(model, full, 4)
+
+
+def test_pipelined_steps_write_the_caches_in_place(checkpoints, monkeypatch):
+    """Step n + 1's graph is built while step n runs but queued only after step n has finished: its
+    cache writes then take the cache buffers over (MLX decides when queuing) instead of copying every
+    layer's cache a step while step n still holds them. Checked where it is decided (step n's tokens
+    are evaluated before step n + 1 is queued) and by its effect (one buffer over the steps); the
+    tokens stay `generate`'s alone."""
+    from metalnn.cpu import decode_step as native
+    from native_platform import require_native
+
+    require_native(native.available(), "the fused decoding step")
+    _, model = checkpoints("llama_gqa")
+    prompts = [[5, 9, 2], [7, 1, 3, 8, 4]]
+    gen = BatchGenerator(model)
+    evaluated, queued_behind = [], []
+    real_eval, real_async = mx.eval, mx.async_eval
+
+    def spy_eval(*arrays):
+        evaluated.extend(arrays)
+        return real_eval(*arrays)
+
+    def spy_async(*arrays):
+        prev = gen._pending  # (still the step before while the next one is queued)
+        if prev is not None:
+            queued_behind.append(any(a is prev.tokens for a in evaluated))
+        return real_async(*arrays)
+
+    monkeypatch.setattr(mx, "eval", spy_eval)
+    monkeypatch.setattr(mx, "async_eval", spy_async)
+    seqs = [gen.add(p, 12) for p in prompts]
+    buffers = []
+    while gen:
+        gen.step()
+        if gen.running == 2 and gen._pending is not None:
+            real_eval(gen._pending.tokens)
+            view = np.array(gen._caches[1].keys, copy=False)
+            buffers.append(view.__array_interface__["data"][0])
+            del view
+    monkeypatch.undo()
+    assert len(queued_behind) >= 8 and all(queued_behind), queued_behind
+    assert len(buffers) >= 8 and len(set(buffers[1:])) == 1, buffers
+    assert [s.tokens for s in seqs] == [greedy_alone(model, p, 12) for p in prompts]
