@@ -253,14 +253,20 @@ def test_new_weights_reach_the_fused_step(tmp_path):
     assert np.abs(got - before).max() > 0.1 * np.abs(before).max()
 
 
-def test_cache_is_written_in_place(tmp_path):
-    # the stack step only reads the caches; its cache writes then put the new position into the same
-    # buffers (a copy of every layer's cache per token would cost O(context) a token)
+def prefilled_llama(tmp_path):
+    """A random Llama of `BASE` and its caches after a 3-token prompt."""
     hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
     hf.save_pretrained(tmp_path)
     model = load_pretrained(tmp_path)
     cache = model.make_cache()
     mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    return model, cache
+
+
+def test_cache_is_written_in_place(tmp_path):
+    # the stack step only reads the caches; its cache writes then put the new position into the same
+    # buffers (a copy of every layer's cache per token would cost O(context) a token)
+    model, cache = prefilled_llama(tmp_path)
     buffers = set()
     for t in range(6):
         logits = model(mx.array([[4 + t]]), cache=cache)
@@ -313,11 +319,7 @@ def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
 
 def test_stack_step_leaves_a_buffer_someone_holds(tmp_path):
     # a cache buffer still held elsewhere (here: `held`) is not written: the step writes a copy
-    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
-    hf.save_pretrained(tmp_path)
-    model = load_pretrained(tmp_path)
-    cache = model.make_cache()
-    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    model, cache = prefilled_llama(tmp_path)
     held = cache[0].keys
     before = np.array(held)
     mx.eval(model(mx.array([[4]]), cache=cache))
