@@ -7,8 +7,9 @@
 // signed levels through the sign trick), converted to float and scaled by the weight's scale times
 // the input's; the formats with a minimum add min * (the float input's sum over the sub-block). Here
 // every accumulator and scale stays in registers (the generic sink's state goes through memory, a
-// third of the time of a decoding product), and each block's levels are decoded once, by the
-// format's own `chunks`, for all input rows.
+// third of the time of a decoding product), each block's levels are decoded once, by the
+// format's own `chunks`, for all input rows, and the K-quants (Q4_K, Q5_K, Q6_K) convert the
+// integer sums of four chunks at once (`reduce4`).
 #pragma once
 
 #include "ggml_kernels.h"
@@ -18,14 +19,29 @@
 namespace metalnn_ggml {
 namespace int8_rows {
 
-// Integer dot of 32 unsigned levels u (0..127) with 32 int8 inputs: 8 int32 partial sums as floats.
-GGML_INLINE __m256 udot(__m256i u, __m256i x) {
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+// Integer dot of 32 unsigned levels u (0..127) with 32 int8 inputs: 8 int32 partial sums (lane i
+// sums values 4i .. 4i + 3).
+GGML_INLINE __m256i udot_i32(__m256i u, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 }
 
 // The same for signed levels q (-128..127).
+GGML_INLINE __m256i sdot_i32(__m256i q, __m256i x) {
+  return udot_i32(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+}
+
+// udot_i32 / sdot_i32 as floats.
+GGML_INLINE __m256 udot(__m256i u, __m256i x) {
+  return _mm256_cvtepi32_ps(udot_i32(u, x));
+}
 GGML_INLINE __m256 sdot(__m256i q, __m256i x) {
-  return udot(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+  return _mm256_cvtepi32_ps(sdot_i32(q, x));
+}
+
+// Four chunks' partial sums (udot_i32 / sdot_i32 of chunks 0-3) reduced to one float vector: lane j
+// holds values 0-15 of chunk j, lane j + 4 its values 16-31.
+GGML_INLINE __m256 reduce4(__m256i t0, __m256i t1, __m256i t2, __m256i t3) {
+  return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(t0, t1), _mm256_hadd_epi32(t2, t3)));
 }
 
 // Lane i of v in every lane.
@@ -86,7 +102,11 @@ struct Legacy {
 };
 
 // Q4_K and Q5_K (FQ4_K, FQ5_K): 8 sub-blocks of 32 (one a chunk), levels 0..31, scales and
-// minimums (bias: - dmin * min).
+// minimums (bias: - dmin * min). Four sub-blocks' integer dots are summed together before their one
+// conversion to float: lane j of the reduced vector holds half of sub-block j's sum (lanes j and
+// j + 4 together the whole), scaled by [c0 c1 c2 c3 c0 c1 c2 c3] (the coefficients of those four
+// sub-blocks): three horizontal adds a four sub-blocks instead of a conversion, a lane broadcast and
+// a multiply-add each.
 template <class F>
 struct K4 {
   static constexpr int QK = 256, TS = F::TS;
@@ -103,13 +123,26 @@ struct K4 {
     }
     ChunkSink<8> levels;
     F::chunks(p, levels);
-    for (int i = 0; i < 8; ++i)
-      for (int m = 0; m < MB; ++m)
-        acc[m] = _mm256_fmadd_ps(lane(coef[m], i), udot(levels.q[i], in.levels(m, 256 * b + 32 * i)), acc[m]);
+    for (int h = 0; h < 2; ++h) {
+      for (int m = 0; m < MB; ++m) {
+        const int64_t k = 256 * b + 128 * h;
+        const __m256 sums = reduce4(udot_i32(levels.q[4 * h], in.levels(m, k)),
+                                    udot_i32(levels.q[4 * h + 1], in.levels(m, k + 32)),
+                                    udot_i32(levels.q[4 * h + 2], in.levels(m, k + 64)),
+                                    udot_i32(levels.q[4 * h + 3], in.levels(m, k + 96)));
+        const __m256 c = h == 0 ? _mm256_permute2f128_ps(coef[m], coef[m], 0x00)
+                                : _mm256_permute2f128_ps(coef[m], coef[m], 0x11);
+        acc[m] = _mm256_fmadd_ps(c, sums, acc[m]);
+      }
+    }
   }
 };
 
-// Q6_K (FQ6_K): 16 sub-blocks of 16 (two a chunk), signed 8-bit scales, levels 0..63 - 32.
+// Q6_K (FQ6_K): 16 sub-blocks of 16 (two a chunk), signed 8-bit scales, levels 0..63 - 32. As in
+// K4, four chunks' integer dots are summed before one conversion: after the two rounds of
+// horizontal adds, lane j holds chunk j's first sub-block and lane j + 4 its second, scaled by
+// [s0 s2 s4 s6 s1 s3 s5 s7] (the four chunks' sub-block scales) times [d0 d1 d2 d3 d0 d1 d2 d3] (their
+// input scales).
 struct Q6_K {
   static constexpr int QK = 256, TS = FQ6_K::TS;
   template <int MB>
@@ -118,13 +151,17 @@ struct Q6_K {
     FQ6_K::params(p, sc, nullptr);
     ChunkSink<8> levels;
     FQ6_K::chunks(p, levels);
-    for (int i = 0; i < 8; ++i) {
-      // int32 lanes 0-3 sum values 0-15 of the chunk (sub-block 2i), lanes 4-7 values 16-31
-      const __m256 scale =
-          _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sc[2 * i])), _mm_set1_ps(sc[2 * i + 1]), 1);
+    const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_permutevar8x32_ps(_mm256_load_ps(sc + 8 * h), even_odd);
       for (int m = 0; m < MB; ++m) {
-        const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(in.d[m * in.ldd + 8 * b + i]));
-        acc[m] = _mm256_fmadd_ps(s, sdot(levels.q[i], in.levels(m, 256 * b + 32 * i)), acc[m]);
+        const int64_t k = 256 * b + 128 * h;
+        const __m256 sums = reduce4(sdot_i32(levels.q[4 * h], in.levels(m, k)),
+                                    sdot_i32(levels.q[4 * h + 1], in.levels(m, k + 32)),
+                                    sdot_i32(levels.q[4 * h + 2], in.levels(m, k + 64)),
+                                    sdot_i32(levels.q[4 * h + 3], in.levels(m, k + 96)));
+        const __m256 dx = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(in.d + m * in.ldd + 8 * b + 4 * h));
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), sums, acc[m]);
       }
     }
   }
