@@ -29,7 +29,10 @@ import mlx.core as mx
 
 from . import native_ext as _native_ext
 
-__all__ = ["available", "decoder_block_step", "StackBlocks", "decoder_stack_step", "PROJECTIONS"]
+__all__ = ["available", "decoder_block_step", "StackBlocks", "decoder_stack_step", "ACTIVATIONS", "PROJECTIONS"]
+
+#: the gate activations the steps run
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 #: the projections, in the order ``weights`` / ``types`` / ``biases`` list them
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -70,7 +73,7 @@ def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq,
     Raises:
         ValueError: an input of the wrong shape or dtype (the message names it).
     """
-    if activation not in ("silu", "gelu_tanh"):
+    if activation not in ACTIVATIONS:
         raise ValueError(f"decoder_block_step: activation must be silu or gelu_tanh, got {activation!r}")
     inputs = [x, gains[0], gains[1], *weights, keys, values, inv_freq]
     inputs += [b for b in biases if b is not None]
@@ -102,7 +105,7 @@ class StackBlocks:
         self.ints, self.floats, self.inputs, self.cache_slots = [], [], [], []
         for b in blocks:
             activation = b.get("activation", "silu")
-            if activation not in ("silu", "gelu_tanh"):
+            if activation not in ACTIVATIONS:
                 raise ValueError(f"decoder_stack_step: activation must be silu or gelu_tanh, got {activation!r}")
             biases, qk = b["biases"], b.get("qk_gains")
             self.ints += [int(b["heads"]), int(b["kv_heads"]), int(b["head_dim"]), int(b["rope_dims"]),

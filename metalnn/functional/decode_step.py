@@ -28,7 +28,7 @@ from ..kernels.op_math import rope_frequencies
 
 __all__ = ["BlockStep", "decoder_block_step", "decoder_stack_step"]
 
-_ACTIVATIONS = ("silu", "gelu_tanh")
+_ACTIVATIONS = native.ACTIVATIONS
 
 
 @dataclass
@@ -158,15 +158,15 @@ def _stack_blocks(steps) -> native.StackBlocks | None:
     cached = p.get("stack")
     if cached is not None and len(cached[0]) == len(steps) and all(a is b for a, b in zip(cached[0], steps)):
         return cached[1]
+    prepared = [_prepared(s) for s in steps]
     blocks = None
-    if all(_prepared(s)["ok"] for s in steps):
+    if all(q["ok"] for q in prepared):
         blocks = native.StackBlocks([
-            dict(gains=s.gains, weights=_prepared(s)["weights"], types=_prepared(s)["types"],
-                 biases=_prepared(s)["biases"], inv_freq=_prepared(s)["inv_freq"], heads=s.heads,
-                 kv_heads=s.kv_heads, head_dim=s.head_dim, rope_dims=s.rope_dims,
-                 rope_traditional=s.rope_traditional, rope_scale=s.rope_scale, attn_scale=_prepared(s)["scale"],
-                 eps=s.eps, qk_gains=s.qk_gains, qk_eps=s.qk_eps, window=s.window, activation=s.activation)
-            for s in steps])
+            dict(gains=s.gains, weights=q["weights"], types=q["types"], biases=q["biases"], inv_freq=q["inv_freq"],
+                 heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, rope_dims=s.rope_dims,
+                 rope_traditional=s.rope_traditional, rope_scale=s.rope_scale, attn_scale=q["scale"], eps=s.eps,
+                 qk_gains=s.qk_gains, qk_eps=s.qk_eps, window=s.window, activation=s.activation)
+            for s, q in zip(steps, prepared)])
     p["stack"] = (tuple(steps), blocks)
     return blocks
 
@@ -174,9 +174,10 @@ def _stack_blocks(steps) -> native.StackBlocks | None:
 def decoder_stack_step(x, steps, caches, device=None):
     """Consecutive blocks (``steps``, one `BlockStep` each) for ``x`` ``[B, 1, D]``, each with its
     cache (``caches``: one `metalnn.layers.KVCache` or `metalnn.layers.BatchKVCache` a block, all of
-    one class and at the same positions; each is appended to), as one fused native node; returns the last block's output ``[B, 1, D]``, or None
-    (nothing done, the caches untouched) when the fused step does not apply to all of them (see the
-    module docstring; the caller then runs the blocks one by one).
+    one class and at the same positions; each is appended to), as one fused native node; returns
+    the last block's output ``[B, 1, D]``, or None (nothing done, the caches untouched) when the fused
+    step does not apply to all of them (see the module docstring; the caller then runs the blocks
+    one by one).
 
     The same as `decoder_block_step` block after block, with one graph node for the whole stack and
     the new keys and values written into the cache buffers in place (a decoding step of a small

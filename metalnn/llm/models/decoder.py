@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ... import functional as F
 from ... import init as initializers
 from ...data import Data
 from ...errors import UnsupportedConfigError
-from ... import functional as F
 from ...layers.attention import KVCache
 from ...layers.base import Layer
 from ...layers.batch_cache import BatchKVCache

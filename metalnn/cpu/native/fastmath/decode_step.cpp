@@ -357,9 +357,25 @@ std::pair<std::vector<mx::array>, std::vector<mx::array>> encode(mx::cpu::Comman
   return {std::move(in), std::move(out)};
 }
 
-class DecoderBlockStep : public mx::Primitive {
+// What the decoding primitives share: they run on the CPU only and have no gradient.
+class DecodingPrimitive : public mx::Primitive {
  public:
-  DecoderBlockStep(mx::Stream s, BlockSpec sp) : mx::Primitive(s), sp_(sp) {}
+  using mx::Primitive::Primitive;
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("[") + name() + "] has no GPU implementation");
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
+                             const std::vector<mx::array>&) override {
+    throw std::invalid_argument(std::string("[") + name() +
+                                "] is for decoding only and has no gradient; differentiate the model without a cache");
+  }
+};
+
+class DecoderBlockStep : public DecodingPrimitive {
+ public:
+  DecoderBlockStep(mx::Stream s, BlockSpec sp) : DecodingPrimitive(s), sp_(sp) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -370,16 +386,6 @@ class DecoderBlockStep : public mx::Primitive {
       run_block(sp, rm.data, weight_rows(in, kWeights), block_shape(in[kX], in[kWeights + kUp], in[kKCache]),
                 out[0].data<float>(), out[1].data<float>(), out[2].data<float>());
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[DecoderBlockStep] has no GPU implementation");
-  }
-
-  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
-                             const std::vector<mx::array>&) override {
-    throw std::invalid_argument(
-        "[decoder_block_step] is for decoding only and has no gradient; differentiate the model without a cache");
   }
 
   METALNN_PRIMITIVE("DecoderBlockStep", sp_)
@@ -417,9 +423,9 @@ struct StackLayout {
 // last block's output [B, 1, D] and every block's new key and value, packed float32
 // [sum over blocks of 2 * B * Hkv * hd] (block b's keys, then its values, each [B, Hkv, hd]), which
 // `CacheColumnWrite` puts into the caches. One graph node and one task for the whole stack.
-class DecoderStackStep : public mx::Primitive {
+class DecoderStackStep : public DecodingPrimitive {
  public:
-  DecoderStackStep(mx::Stream s, std::vector<BlockSpec> specs) : mx::Primitive(s), specs_(std::move(specs)) {}
+  DecoderStackStep(mx::Stream s, std::vector<BlockSpec> specs) : DecodingPrimitive(s), specs_(std::move(specs)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -457,16 +463,6 @@ class DecoderStackStep : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[DecoderStackStep] has no GPU implementation");
-  }
-
-  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
-                             const std::vector<mx::array>&) override {
-    throw std::invalid_argument(
-        "[decoder_stack_step] is for decoding only and has no gradient; differentiate the model without a cache");
-  }
-
   METALNN_PRIMITIVE("DecoderStackStep", specs_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -487,10 +483,10 @@ class DecoderStackStep : public mx::Primitive {
 // [Hkv, hd], taken from `packed` at element `start` ([B, Hkv, hd]), at column `offset` (or, with
 // row_positions, at the sequence's own position, clamped to the buffer). Writes in place when
 // MLX may hand the output the cache's buffer (nothing else holds it), else into a copy.
-class CacheColumnWrite : public mx::Primitive {
+class CacheColumnWrite : public DecodingPrimitive {
  public:
   CacheColumnWrite(mx::Stream s, int64_t start, int offset, bool row_positions)
-      : mx::Primitive(s), start_(start), offset_(offset), row_positions_(row_positions) {}
+      : DecodingPrimitive(s), start_(start), offset_(offset), row_positions_(row_positions) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -525,15 +521,6 @@ class CacheColumnWrite : public mx::Primitive {
           std::copy(rows + (b * G + g) * hd, rows + (b * G + g + 1) * hd, dst + ((b * G + g) * cap + col) * hd);
       }
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[CacheColumnWrite] has no GPU implementation");
-  }
-
-  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&, const std::vector<int>&,
-                             const std::vector<mx::array>&) override {
-    throw std::invalid_argument("[decoder_stack_step] is for decoding only and has no gradient");
   }
 
   METALNN_PRIMITIVE("CacheColumnWrite", start_, offset_, row_positions_)

@@ -9,7 +9,7 @@
 // every accumulator and scale stays in registers (the generic sink's state goes through memory, a
 // third of the time of a decoding product), each block's levels are decoded once, by the
 // format's own `chunks`, for all input rows, and the K-quants (Q4_K, Q5_K, Q6_K) convert the
-// integer sums of four chunks at once (`reduce4`).
+// integer sums of four chunks at once (`half_block_sums`).
 #pragma once
 
 #include "ggml_kernels.h"
@@ -36,12 +36,6 @@ GGML_INLINE __m256 udot(__m256i u, __m256i x) {
 }
 GGML_INLINE __m256 sdot(__m256i q, __m256i x) {
   return _mm256_cvtepi32_ps(sdot_i32(q, x));
-}
-
-// Four chunks' partial sums (udot_i32 / sdot_i32 of chunks 0-3) reduced to one float vector: lane j
-// holds values 0-15 of chunk j, lane j + 4 its values 16-31.
-GGML_INLINE __m256 reduce4(__m256i t0, __m256i t1, __m256i t2, __m256i t3) {
-  return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(t0, t1), _mm256_hadd_epi32(t2, t3)));
 }
 
 // Lane i of v in every lane.
@@ -71,6 +65,19 @@ struct ChunkSink {
     q[i] = load256(reinterpret_cast<const uint8_t*>(p));
   }
 };
+
+// The integer dots of chunks 4h .. 4h + 3 of a 256-value block (its levels, unsigned or SIGNED) with
+// input row m from value k, summed with two rounds of horizontal adds and converted once: lane j
+// holds values 0-15 of chunk 4h + j, lane j + 4 its values 16-31.
+template <bool SIGNED>
+GGML_INLINE __m256 half_block_sums(const ChunkSink<8>& levels, const Inputs& in, int m, int64_t k, int h) {
+  __m256i t[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256i x = in.levels(m, k + 32 * j);
+    t[j] = SIGNED ? sdot_i32(levels.q[4 * h + j], x) : udot_i32(levels.q[4 * h + j], x);
+  }
+  return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3])));
+}
 
 // The types, each over its format F of ggml_kernels.h (whose `params` and `chunks` decode a
 // block). Each `block<MB>(p, in, b, acc)` adds block b of a weight row to acc[m] (8 lanes summed at
@@ -125,11 +132,7 @@ struct K4 {
     F::chunks(p, levels);
     for (int h = 0; h < 2; ++h) {
       for (int m = 0; m < MB; ++m) {
-        const int64_t k = 256 * b + 128 * h;
-        const __m256 sums = reduce4(udot_i32(levels.q[4 * h], in.levels(m, k)),
-                                    udot_i32(levels.q[4 * h + 1], in.levels(m, k + 32)),
-                                    udot_i32(levels.q[4 * h + 2], in.levels(m, k + 64)),
-                                    udot_i32(levels.q[4 * h + 3], in.levels(m, k + 96)));
+        const __m256 sums = half_block_sums<false>(levels, in, m, 256 * b + 128 * h, h);
         const __m256 c = h == 0 ? _mm256_permute2f128_ps(coef[m], coef[m], 0x00)
                                 : _mm256_permute2f128_ps(coef[m], coef[m], 0x11);
         acc[m] = _mm256_fmadd_ps(c, sums, acc[m]);
@@ -155,11 +158,7 @@ struct Q6_K {
     for (int h = 0; h < 2; ++h) {
       const __m256 scale = _mm256_permutevar8x32_ps(_mm256_load_ps(sc + 8 * h), even_odd);
       for (int m = 0; m < MB; ++m) {
-        const int64_t k = 256 * b + 128 * h;
-        const __m256 sums = reduce4(sdot_i32(levels.q[4 * h], in.levels(m, k)),
-                                    sdot_i32(levels.q[4 * h + 1], in.levels(m, k + 32)),
-                                    sdot_i32(levels.q[4 * h + 2], in.levels(m, k + 64)),
-                                    sdot_i32(levels.q[4 * h + 3], in.levels(m, k + 96)));
+        const __m256 sums = half_block_sums<true>(levels, in, m, 256 * b + 128 * h, h);
         const __m256 dx = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(in.d + m * in.ldd + 8 * b + 4 * h));
         acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), sums, acc[m]);
       }
