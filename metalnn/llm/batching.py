@@ -308,8 +308,8 @@ class BatchGenerator:
             mx.eval([s for c in seq._caches for s in c.state])
             seq._done = end
             return []
-        with self._selected([seq]):
-            logits = self.model(chunk, cache=seq._caches, device=self.device)[:, -1, :]
+        with self._selected([seq]):  # (the output head reads the last position only)
+            logits = self.model(chunk, cache=seq._caches, device=self.device, last_only=True)[:, -1, :]
         token = self.sample([seq], logits)[0]
         seq._done = end
         self._waiting.popleft()

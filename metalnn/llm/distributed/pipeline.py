@@ -230,17 +230,17 @@ class PipelineLM:
         cuts = [length * i // parts for i in range(parts + 1)]
         return list(zip(cuts[:-1], cuts[1:]))
 
-    def forward(self, device, data, cache=None):
+    def forward(self, device, data, cache=None, last_only: bool = False):
         stage = self.backbone
         if stage.is_last:
-            logits = super().forward(device, data, cache=cache)
+            logits = super().forward(device, data, cache=cache, last_only=last_only)
             x = logits.array.astype(stage.act_dtype)
         else:
             ids = self._token_batch(data)
             b, t = ids.shape
             self._check_positions(cache, t)
             h = self.compile_child(stage, device, Data(ids), cache=cache)
-            x = mx.depends(mx.zeros((b, t, self.vocab_size), stage.act_dtype), h.array)
+            x = mx.depends(mx.zeros((b, 1 if last_only else t, self.vocab_size), stage.act_dtype), h.array)
         x = mx.distributed.all_sum(x, group=stage.group)
         d = data.dims
-        return Data(x, MTLSize(self.vocab_size, d.W, d.H * d.D))
+        return Data(x, MTLSize(self.vocab_size, x.shape[1], d.H * d.D))

@@ -267,22 +267,25 @@ class CausalLM(Layer):
         return [(0, int(length))] if length > 0 else []
 
     # -- calling -----------------------------------------------------------------------------
-    def __call__(self, tokens, *args, cache=None, device: Device | None = None):
+    def __call__(self, tokens, *args, cache=None, device: Device | None = None, last_only: bool = False):
         """Logits for integer ``tokens`` ``[B, T]`` -> ``[B, T, vocab]`` (``[T]`` -> ``[T, vocab]``);
-        a `Data` of token ids gives `Data` logits."""
+        a `Data` of token ids gives `Data` logits. ``last_only``: the logits of the last position
+        alone (``[B, 1, vocab]``, ``[1, vocab]``): the output head reads one position instead of
+        ``T`` (a prompt's first token needs no more)."""
         if args:
             raise TypeError(f"{self._describe()}: call it as model(tokens, cache=..., device=...); options are "
                             "keywords")
+        options = {"last_only": True} if last_only else {}  # (forward overrides need not know the option)
         if isinstance(tokens, Data):
-            return self.compile(device, tokens, cache=cache)
+            return self.compile(device, tokens, cache=cache, **options)
         tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
         if tokens.ndim not in (1, 2):
             raise ValueError(f"{self._describe()}: tokens must be [T] or [B, T], got shape {tuple(tokens.shape)}")
         if not mx.issubdtype(tokens.dtype, mx.integer):
             raise TypeError(f"{self._describe()}: tokens must be integers, got {tokens.dtype}")
         b, t = (1, tokens.shape[0]) if tokens.ndim == 1 else tokens.shape
-        out = self.compile(device, Data(tokens.reshape(b, t)), cache=cache).array
-        return out.reshape(t, -1) if tokens.ndim == 1 else out
+        out = self.compile(device, Data(tokens.reshape(b, t)), cache=cache, **options).array
+        return out.reshape(out.shape[1], -1) if tokens.ndim == 1 else out
 
     def hidden_states(self, tokens, *, device: Device | None = None) -> mx.array:
         """The final hidden states (the backbone's output, after the final norm, before the output
@@ -305,12 +308,16 @@ class CausalLM(Layer):
         h = h.reshape(b, t, -1)
         return h[0] if tokens.ndim == 1 else h
 
-    def forward(self, device, data, cache=None):
-        """Token ids ``(W=T, H=1, D=B)`` -> logits ``(W=vocab, H=T, D=B)``."""
+    def forward(self, device, data, cache=None, last_only: bool = False):
+        """Token ids ``(W=T, H=1, D=B)`` -> logits ``(W=vocab, H=T, D=B)`` (``H=1`` with
+        ``last_only``: the last position's)."""
         ids = self._token_batch(data)
         b, t = ids.shape
         self._check_positions(cache, t)
         h = self.compile_child(self.backbone, device, Data(ids), cache=cache)
+        if last_only and t > 1:
+            t = 1
+            h = Data(h.array.reshape(b, h.dims.H, -1)[:, -1:, :], MTLSize(h.dims.W, 1, b))
         if self.tie_word_embeddings:
             logits = Data(self.input_embeddings.as_linear(h.array, device=device), MTLSize(self.vocab_size, t, b))
         else:

@@ -315,8 +315,8 @@ class GraniteMoeHybridForCausalLM(RoutedExperts, CausalLM):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.vocab_size, bias=False, init=init)
 
-    def forward(self, device, data, cache=None):
-        logits = super().forward(device, data, cache=cache)
+    def forward(self, device, data, cache=None, last_only: bool = False):
+        logits = super().forward(device, data, cache=cache, last_only=last_only)
         s = self.args.logits_scaling
         return logits if s == 1.0 else Data(logits.array / mx.array(s, dtype=logits.array.dtype), logits.dims)
 
