@@ -11,8 +11,8 @@ order than the reference (and, in the register kernels, as scale * sum(q x) + bi
 sub-block), so it is within the float32 summation bound ~K * 2^-24 * sum|x_k w_k| of the exact
 value; the tests allow 4 K * 2^-24 * (|x| @ |W|.T) elementwise (the errors seen are ~100x smaller).
 Half-precision results are that float32 sum rounded once (float16 2^-11, bfloat16 2^-8 relative).
-With int8 inputs every 32 inputs x_k are replaced by d * round(x_k / d), d = max|x| / 127 over the
-32, so each moves by at most d / 2: the product moves by at most sum_k |w_k| d_k / 2 more (added to
+With int8 inputs every 32 inputs x_k (256 for Q4_K, Q5_K and Q6_K, as llama.cpp's Q8_K) are replaced
+by d * round(x_k / d), d = max|x| / 127 over the run, so each moves by at most d / 2: the product moves by at most sum_k |w_k| d_k / 2 more (added to
 the bound; the errors seen are 20-50x smaller).
 """
 
@@ -93,12 +93,13 @@ def rand(shape, seed):
 
 
 def int8_bound(xn, wf, qtype=None):
-    """sum_k |w_k| d_k / 2 for inputs xn [M, K] quantized to int8 in runs of 32 (0 unless the path
-    quantizes, and for types without a register kernel)."""
+    """sum_k |w_k| d_k / 2 for inputs xn [M, K] quantized to int8 in runs of 32 (256 for the K-quants
+    with their own loops; 0 unless the path quantizes, and for types without a register kernel)."""
     if not INT8["on"] or (qtype is not None and qtype not in REGISTER_TYPES) or xn.shape[-1] % 32:
         return 0.0
-    d = np.abs(xn).reshape(xn.shape[0], -1, 32).max(-1) / 127
-    return (np.repeat(d, 32, axis=1) / 2) @ np.abs(wf.astype(np.float64)).T
+    run = 256 if qtype in ("Q4_K", "Q5_K", "Q6_K") and xn.shape[-1] % 256 == 0 else 32
+    d = np.abs(xn).reshape(xn.shape[0], -1, run).max(-1) / 127
+    return (np.repeat(d, run, axis=1) / 2) @ np.abs(wf.astype(np.float64)).T
 
 
 def check_product(y, x, wf, *, scale=1.0, qtype=None):
@@ -174,15 +175,15 @@ def test_products_match_the_decoder(path, qtype):
         x = rand((*shape, k), sum(shape))
         y = cg.matmul(x, w, qtype)
         assert y.shape == (*shape, 5) and y.dtype == mx.float32
-        check_product(y.reshape(-1, 5), x.reshape(-1, k), wf)
+        check_product(y.reshape(-1, 5), x.reshape(-1, k), wf, qtype=qtype)
         ref = x.reshape(-1, k) @ mx.array(wf).T  # MLX's float32 product of the decoded weight
         check_product(ref, x.reshape(-1, k), wf)
         x1 = rand((*shape, cls.block_size), 7)
-        check_product(cg.matmul(x1, w1, qtype).reshape(-1, 1), x1.reshape(-1, cls.block_size), wf1)
+        check_product(cg.matmul(x1, w1, qtype).reshape(-1, 1), x1.reshape(-1, cls.block_size), wf1, qtype=qtype)
     xv = rand((k,), 3)  # a vector
     yv = cg.matmul(xv, w, qtype)
     assert yv.shape == (5,)
-    check_product(yv[None], xv[None], wf)
+    check_product(yv[None], xv[None], wf, qtype=qtype)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "IQ2_XS", "Q2_K"])
@@ -192,7 +193,7 @@ def test_products_large_enough_to_split_across_threads(path, qtype):
     w, wf = packed(qtype, 2051, k // cls.block_size, seed=5)
     for m in (1, 2, 5):
         x = rand((m, k), m)
-        check_product(cg.matmul(x, w, qtype), x, wf)
+        check_product(cg.matmul(x, w, qtype), x, wf, qtype=qtype)
     np.testing.assert_array_equal(np.array(cg.dequantize(w, qtype)).view(np.uint32), wf.view(np.uint32))
 
 
@@ -200,10 +201,10 @@ def test_non_contiguous_inputs(path):
     w, wf = packed("Q4_K", 12, 2, seed=9)
     for x in (rand((512, 6), 4).T, rand((6, 1024), 5)[:, ::2], rand((3, 4, 512), 6)[:, 1:3].swapaxes(0, 1)):
         y = cg.matmul(x, w, "Q4_K")
-        check_product(y.reshape(-1, 12), x.reshape(-1, 512), wf)
+        check_product(y.reshape(-1, 12), x.reshape(-1, 512), wf, qtype="Q4_K")
     # a strided weight (every other row, and a column slice of whole blocks)
     x = rand((3, 512), 8)
-    check_product(cg.matmul(x, w[::2], "Q4_K"), x, wf[::2])
+    check_product(cg.matmul(x, w[::2], "Q4_K"), x, wf[::2], qtype="Q4_K")
     np.testing.assert_array_equal(np.array(cg.dequantize(w[::2], "Q4_K")), wf[::2])
     np.testing.assert_array_equal(np.array(cg.dequantize(w[:, 144:], "Q4_K")), wf[:, 256:])
 
@@ -217,7 +218,7 @@ def test_half_inputs(path, xdtype):
     half = {mx.float16: 2.0 ** -11, mx.bfloat16: 2.0 ** -8}[xdtype]
     xn = np.array(x.astype(mx.float32), dtype=np.float64)
     exact = xn @ wf.T
-    bound = 4 * 512 * U * (np.abs(xn) @ np.abs(wf).T) + half * np.abs(exact) + 1.0001 * int8_bound(xn, wf)
+    bound = 4 * 512 * U * (np.abs(xn) @ np.abs(wf).T) + half * np.abs(exact) + 1.0001 * int8_bound(xn, wf, "Q6_K")
     assert (np.abs(np.array(y.astype(mx.float32)) - exact) <= bound).all()
 
 

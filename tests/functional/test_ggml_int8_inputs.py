@@ -1,8 +1,9 @@
 """`metalnn.functional.ggml_int8_inputs`: GGML products with int8 inputs, as llama.cpp computes them.
 
 Reference: gguf-py decodes the packed weight (`gguf.quants.dequantize`, independent of metalnn's
-decoders) and NumPy quantizes the input as llama.cpp's Q8_0 does (every 32 values: d = max|x| / 127,
-levels round(x / d)); the product in float64. The formats with a minimum (Q4_1, Q5_1, Q2_K, Q4_K,
+decoders) and NumPy quantizes the input in runs as llama.cpp's inputs are (Q8_0: every 32 values;
+Q8_K for Q4_K, Q5_K and Q6_K: every 256; each run d = max|x| / 127, levels round(x / d)); the product
+in float64. The formats with a minimum (Q4_1, Q5_1, Q2_K, Q4_K,
 Q5_K) multiply their minimum terms by the exact input sums (a little more exact than llama.cpp's
 Q8_1 / Q8_K sums), so their reference is ``(levels * d) @ (W - M).T + x @ M.T`` with M the minimum
 terms (gguf-py's decoding of the blocks with their levels zeroed). Inside the context a decoding
@@ -30,6 +31,8 @@ TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K",
 # decodes the block's minimum terms alone (Q4_1: m; the K-quants: -dmin * min_j per sub-block).
 LEVEL_BYTES = {"Q4_1": (4, 20), "Q5_1": (4, 24), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q2_K": (16, 80)}
 N, K = 24, 512
+# values per input scale: llama.cpp's Q8_K input of the K-quants with their own int8 loops (32 for the rest)
+RUNS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 pytestmark = pytest.mark.skipif(not cpu_ggml.has_avx2(), reason="the int8 inputs are the AVX2 register kernels'")
 
@@ -51,9 +54,10 @@ def weight(qtype, seed=0):
     return mx.array(packed), decoded, minimums
 
 
-def quantized(x):
-    """x [M, K] float32 as llama.cpp's Q8_0 input: levels * d per 32 values (float64)."""
-    runs = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+def quantized(x, run=32):
+    """x [M, K] float32 as llama.cpp's Q8_0 (``run`` 32) or Q8_K (256) input: levels * d per run of
+    values (float64)."""
+    runs = x.astype(np.float32).reshape(x.shape[0], -1, run)
     amax = np.abs(runs).max(-1, keepdims=True)
     d = amax / np.float32(127)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
@@ -76,7 +80,7 @@ def test_decoding_products_take_int8_inputs_inside_the_context(qtype, rows):
     x = np.random.default_rng(1).standard_normal((rows, K)).astype(np.float32)
     # the minimum terms multiply the exact input sums (as the float path), the rest the int8 input
     exact = x.astype(np.float64) @ wf.T
-    rounded = quantized(x) @ (wf - minimums).T + x.astype(np.float64) @ minimums.T
+    rounded = quantized(x, RUNS.get(qtype, 32)) @ (wf - minimums).T + x.astype(np.float64) @ minimums.T
     with F.ggml_int8_inputs():
         assert cpu_ggml.int8_input_rows() == F.ggml.INT8_INPUT_ROWS
         got = product(x, w, qtype)

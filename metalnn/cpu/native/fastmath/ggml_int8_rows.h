@@ -1,6 +1,7 @@
 // Decoding products with int8 inputs, one tight AVX2 loop per common type (Q8_0, Q4_0, Q4_1, Q5_0,
 // Q5_1, Q4_K, Q5_K, Q6_K): out[m, r] = W[r] . x_m for a few input rows m, the inputs quantized as
-// quantize_rows_int8 writes them (int8 levels xq [M, K], one scale xd [M, K / 32] per 32 values).
+// quantize_rows_int8 writes them (int8 levels xq [M, K], one scale per int8_input_run values: 32, or
+// 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K inputs).
 //
 // The same arithmetic as IntDotSink (ggml_kernels.h), which serves the other types: each 32
 // weights' integer dot with the input levels (_mm256_maddubs_epi16, levels 0..63 as they are,
@@ -8,8 +9,8 @@
 // the input's; the formats with a minimum add min * (the float input's sum over the sub-block). Here
 // every accumulator and scale stays in registers (the generic sink's state goes through memory, a
 // third of the time of a decoding product), each block's levels are decoded once, by the
-// format's own `chunks`, for all input rows, and the K-quants (Q4_K, Q5_K, Q6_K) convert the
-// integer sums of four chunks at once (`half_block_sums`).
+// format's own `chunks`, for all input rows, and the K-quants (Q4_K, Q5_K, Q6_K), whose input has
+// one scale a block, multiply their sub-block scales in integers and convert once a block.
 #pragma once
 
 #include "ggml_kernels.h"
@@ -38,17 +39,15 @@ GGML_INLINE __m256 sdot(__m256i q, __m256i x) {
   return _mm256_cvtepi32_ps(sdot_i32(q, x));
 }
 
-// Lane i of v in every lane.
-GGML_INLINE __m256 lane(__m256 v, int i) {
-  return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i));
-}
-
-// Input rows: their levels, scales and (formats with a minimum) sums over 32 values.
+// Input rows: their levels, their scales (one every `ldq / ldd` values: 32, or 256 for the
+// K-quants) and (formats with a minimum) the float input's sums over 32 values.
 struct Inputs {
   const int8_t* q;
   const float* d;
   const float* s;
-  int64_t ldq, ldd;
+  int64_t ldq, ldd, lds;
+  const int16_t* s16 = nullptr;  // the levels' sums over each 16 values (Q6_K), K / 16 a row
+  int64_t lds16 = 0;
   GGML_INLINE __m256i levels(int m, int64_t k) const {
     return load256(reinterpret_cast<const uint8_t*>(q + m * ldq + k));
   }
@@ -66,17 +65,24 @@ struct ChunkSink {
   }
 };
 
-// The integer dots of chunks 4h .. 4h + 3 of a 256-value block (its levels, unsigned or SIGNED) with
-// input row m from value k, summed with two rounds of horizontal adds and converted once: lane j
-// holds values 0-15 of chunk 4h + j, lane j + 4 its values 16-31.
-template <bool SIGNED>
-GGML_INLINE __m256 half_block_sums(const ChunkSink<8>& levels, const Inputs& in, int m, int64_t k, int h) {
-  __m256i t[4];
-  for (int j = 0; j < 4; ++j) {
-    const __m256i x = in.levels(m, k + 32 * j);
-    t[j] = SIGNED ? sdot_i32(levels.q[4 * h + j], x) : udot_i32(levels.q[4 * h + j], x);
+// Shuffle masks picking 16-bit scales for the 8 chunks of a block from a vector holding 8 of them in
+// each 128-bit half: chunk j's lanes 0-7 (its values 0-15) get scale (step j) % 8, lanes 8-15 (values
+// 16-31) scale (step j + step - 1) % 8. Step 1: one scale a chunk (Q4_K, Q5_K); step 2: two
+// (Q6_K, scales 8-15 in a second vector for chunks 4-7).
+struct ScalePicks {
+  alignas(32) int8_t mask[8][32] = {};
+  constexpr explicit ScalePicks(int step) {
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 32; ++i) {
+        const int scale = i < 16 ? (step * j) % 8 : (step * j + step - 1) % 8;
+        mask[j][i] = static_cast<int8_t>(2 * scale + (i & 1));
+      }
   }
-  return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3])));
+};
+inline constexpr ScalePicks kOneScale{1}, kTwoScales{2};
+
+GGML_INLINE __m256i pick_scales(__m256i s16, const ScalePicks& picks, int j) {
+  return _mm256_shuffle_epi8(s16, load256(reinterpret_cast<const uint8_t*>(picks.mask[j])));
 }
 
 // The types, each over its format F of ggml_kernels.h (whose `params` and `chunks` decode a
@@ -99,7 +105,7 @@ struct Legacy {
       if constexpr (F::MIN) {
         // levels 0..31; the minimum's term mn * sum(x) rides in lane 0 of the scaled dot
         const __m256 t = _mm256_fmadd_ps(dx, udot(levels.q[0], in.levels(m, 32 * b)),
-                                         _mm256_setr_ps(mn * in.s[m * in.ldd + b], 0, 0, 0, 0, 0, 0, 0));
+                                         _mm256_setr_ps(mn * in.s[m * in.lds + b], 0, 0, 0, 0, 0, 0, 0));
         acc[m] = _mm256_add_ps(acc[m], t);
       } else {
         acc[m] = _mm256_fmadd_ps(dx, sdot(levels.q[0], in.levels(m, 32 * b)), acc[m]);
@@ -108,60 +114,72 @@ struct Legacy {
   }
 };
 
-// Q4_K and Q5_K (FQ4_K, FQ5_K): 8 sub-blocks of 32 (one a chunk), levels 0..31, scales and
-// minimums (bias: - dmin * min). Four sub-blocks' integer dots are summed together before their one
-// conversion to float: lane j of the reduced vector holds half of sub-block j's sum (lanes j and
-// j + 4 together the whole), scaled by [c0 c1 c2 c3 c0 c1 c2 c3] (the coefficients of those four
-// sub-blocks): three horizontal adds a four sub-blocks instead of a conversion, a lane broadcast and
-// a multiply-add each.
+// Q4_K and Q5_K (FQ4_K, FQ5_K): 8 sub-blocks of 32 (one a chunk), levels 0..31, 6-bit scales and
+// minimums (bias: - dmin * min). The input has one scale for the block (run 256, as llama.cpp's Q8_K),
+// so the sub-block scales multiply in integers: chunk j's 16-bit pair sums (_mm256_maddubs_epi16) times
+// its scale (_mm256_madd_epi16) add up in int32 over the block (at most 2 * 31 * 127 * 63 * 8 per
+// lane), converted once and scaled by d * dx; the minimums' term takes the float input's sums.
 template <class F>
 struct K4 {
   static constexpr int QK = 256, TS = F::TS;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    alignas(32) float scales[8], bias[8];
-    F::params(p, scales, bias);
-    const __m256 sc = _mm256_load_ps(scales), neg_mn = _mm256_load_ps(bias);
-    __m256 coef[MB];
-    for (int m = 0; m < MB; ++m) {
-      coef[m] = _mm256_mul_ps(sc, _mm256_loadu_ps(in.d + m * in.ldd + 8 * b));
-      // - min * sum(x) for the 8 sub-blocks, lane by lane
-      acc[m] = _mm256_fmadd_ps(neg_mn, _mm256_loadu_ps(in.s + m * in.ldd + 8 * b), acc[m]);
-    }
+    const __m128i raw = k4_scale_bytes(p);  // scales[8], mins[8]
+    const __m128i s8 = _mm_cvtepu8_epi16(raw);
+    const __m256i s16 = _mm256_set_m128i(s8, s8);
+    const __m256 d = _mm256_set1_ps(h2f(p));
+    const __m256 neg_mn = _mm256_mul_ps(_mm256_set1_ps(-h2f(p + 2)),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))));
     ChunkSink<8> levels;
     F::chunks(p, levels);
-    for (int h = 0; h < 2; ++h) {
+    __m256i sums[MB];
+    for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i sc = pick_scales(s16, kOneScale, j);
       for (int m = 0; m < MB; ++m) {
-        const __m256 sums = half_block_sums<false>(levels, in, m, 256 * b + 128 * h, h);
-        const __m256 c = h == 0 ? _mm256_permute2f128_ps(coef[m], coef[m], 0x00)
-                                : _mm256_permute2f128_ps(coef[m], coef[m], 0x11);
-        acc[m] = _mm256_fmadd_ps(c, sums, acc[m]);
+        const __m256i pairs = _mm256_maddubs_epi16(levels.q[j], in.levels(m, 256 * b + 32 * j));
+        sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(pairs, sc));
       }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256 dx = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d + m * in.ldd + b));
+      acc[m] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(sums[m]), acc[m]);
+      // - min * sum(x) for the 8 sub-blocks, lane by lane
+      acc[m] = _mm256_fmadd_ps(neg_mn, _mm256_loadu_ps(in.s + m * in.lds + 8 * b), acc[m]);
     }
   }
 };
 
-// Q6_K (FQ6_K): 16 sub-blocks of 16 (two a chunk), signed 8-bit scales, levels 0..63 - 32. As in
-// K4, four chunks' integer dots are summed before one conversion: after the two rounds of
-// horizontal adds, lane j holds chunk j's first sub-block and lane j + 4 its second, scaled by
-// [s0 s2 s4 s6 s1 s3 s5 s7] (the four chunks' sub-block scales) times [d0 d1 d2 d3 d0 d1 d2 d3] (their
-// input scales).
+// Q6_K (FQ6_K): 16 sub-blocks of 16 (two a chunk), signed 8-bit scales, levels 0..63 - 32. As in K4
+// the input has one scale for the block and the sub-block scales multiply in integers: chunk j's
+// pair sums of the stored levels 0..63 (_mm256_maddubs_epi16, at most 2 * 63 * 127) for its values
+// 0-15 (lanes 0-7) times scale 2j, for 16-31 (lanes 8-15) times scale 2j + 1; the offset 32 comes off
+// once a block as 32 * (scales . the input levels' sums over each 16), as llama.cpp does with its
+// Q8_K sums (at most 8 * 2 * 16002 * 128 + 32 * 16 * 2032 * 128 per lane).
 struct Q6_K {
   static constexpr int QK = 256, TS = FQ6_K::TS;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
-    alignas(32) float sc[16];
-    FQ6_K::params(p, sc, nullptr);
+    const __m256i s16 = _mm256_cvtepi8_epi16(load128(p + 192));  // the 16 scales
+    const __m256i first = _mm256_permute2x128_si256(s16, s16, 0x00), second = _mm256_permute2x128_si256(s16, s16, 0x11);
+    const __m256 d = _mm256_set1_ps(h2f(p + 208));
     ChunkSink<8> levels;
-    FQ6_K::chunks(p, levels);
-    const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_permutevar8x32_ps(_mm256_load_ps(sc + 8 * h), even_odd);
+    FQ6_K::unsigned_chunks(p, levels);
+    __m256i sums[MB];
+    for (int m = 0; m < MB; ++m) {
+      const __m256i offset = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(in.s16 + m * in.lds16 + 16 * b)), s16);
+      sums[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+    }
+    for (int j = 0; j < 8; ++j) {
+      const __m256i sc = pick_scales(j < 4 ? first : second, kTwoScales, j);
       for (int m = 0; m < MB; ++m) {
-        const __m256 sums = half_block_sums<true>(levels, in, m, 256 * b + 128 * h, h);
-        const __m256 dx = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(in.d + m * in.ldd + 8 * b + 4 * h));
-        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), sums, acc[m]);
+        const __m256i pairs = _mm256_maddubs_epi16(levels.q[j], in.levels(m, 256 * b + 32 * j));
+        sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(pairs, sc));
       }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256 dx = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d + m * in.ldd + b));
+      acc[m] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(sums[m]), acc[m]);
     }
   }
 };
@@ -188,8 +206,9 @@ GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = a.w + r * rb;
     for (int64_t m = 0; m < a.M; m += 4) {
-      const Inputs in{a.xq + m * a.K, a.xd + m * (a.K / 32), a.xsum ? a.xsum + m * (a.K / 32) : nullptr, a.K,
-                      a.K / 32};
+      const int64_t ldd = a.K / a.xrun;
+      const Inputs in{a.xq + m * a.K, a.xd + m * ldd, a.xsum ? a.xsum + m * (a.K / 32) : nullptr, a.K, ldd, a.K / 32,
+                      a.xsum16 ? a.xsum16 + m * (a.K / 16) : nullptr, a.K / 16};
       float* out = a.out + m * a.N + r;
       switch (std::min<int64_t>(4, a.M - m)) {
         case 4:

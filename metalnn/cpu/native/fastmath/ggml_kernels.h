@@ -97,7 +97,9 @@ struct MatmulArgs {
   int64_t sub;  // values a sub-block (0: no sums)
   float* out;  // [M, N]
   const int8_t* xq = nullptr;  // [M, K] the input quantized to int8 (the int8 register kernels), or null
-  const float* xd = nullptr;  // [M, K / 32] the scale of each 32 values of xq
+  const float* xd = nullptr;  // [M, K / xrun] the scale of each xrun values of xq
+  int64_t xrun = 32;  // values per scale of xq (int8_input_run)
+  const int16_t* xsum16 = nullptr;  // [M, K / 16] sums of xq over each 16 values (Q6_K's int8 loop)
   int64_t row_bytes() const {
     return K / type->block * type->size;
   }
@@ -391,7 +393,8 @@ struct FQ3_K {
   }
 };
 
-GGML_INLINE void params_k4_avx2(const uint8_t* b, float* sc, float* bias) {
+// The 6-bit sub-block scales and minimums of a Q4_K / Q5_K block as bytes: scales[8], mins[8].
+GGML_INLINE __m128i k4_scale_bytes(const uint8_t* b) {
   uint32_t u[4];
   std::memcpy(u, b + 4, 12);
   constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
@@ -400,7 +403,11 @@ GGML_INLINE void params_k4_avx2(const uint8_t* b, float* sc, float* bias) {
   u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
   u[0] &= k1;
   u[2] = mins_lo;
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // scales[8], mins[8]
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+}
+
+GGML_INLINE void params_k4_avx2(const uint8_t* b, float* sc, float* bias) {
+  const __m128i raw = k4_scale_bytes(b);  // scales[8], mins[8]
   const __m256 d = _mm256_set1_ps(h2f(b)), dmin = _mm256_set1_ps(h2f(b + 2));
   _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw))));
   const __m256 ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))));
@@ -462,9 +469,10 @@ struct FQ6_K {
     _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
     _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)))));
   }
+  // The levels 0..63 as stored (the int8 loop takes them so and subtracts 32 * sum(x) once a block).
   template <class S>
-  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  GGML_INLINE static void unsigned_chunks(const uint8_t* b, S& s) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
       const __m256i l0 = load256(b + 64 * h), l1 = load256(b + 64 * h + 32);
       const __m256i qh = load256(b + 128 + 32 * h);
@@ -473,11 +481,23 @@ struct FQ6_K {
       const __m256i hi1 = _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30);
       const __m256i hi2 = _mm256_and_si256(qh, m30);
       const __m256i hi3 = _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30);
-      s(_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m4), hi0), off), 4 * h);
-      s(_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m4), hi1), off), 4 * h + 1);
-      s(_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi2), off), 4 * h + 2);
-      s(_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi3), off), 4 * h + 3);
+      s(_mm256_or_si256(_mm256_and_si256(l0, m4), hi0), 4 * h);
+      s(_mm256_or_si256(_mm256_and_si256(l1, m4), hi1), 4 * h + 1);
+      s(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi2), 4 * h + 2);
+      s(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi3), 4 * h + 3);
     }
+  }
+  template <class S>
+  struct Minus32 {  // hands on the levels - 32
+    S& s;
+    GGML_INLINE void operator()(__m256i v, int i) {
+      s(_mm256_sub_epi8(v, _mm256_set1_epi8(32)), i);
+    }
+  };
+  template <class S>
+  GGML_INLINE static void chunks(const uint8_t* b, S& s) {
+    Minus32<S> minus32{s};
+    unsigned_chunks(b, minus32);
   }
 };
 
@@ -966,17 +986,34 @@ inline bool uses_int8(int id, int64_t M, bool avx2) {
   return uses_registers(id, M, avx2) && M <= int8_rows_setting().load();
 }
 
-// The input rows x [M, K] as int8 levels q [M, K] and scales d [M, K / 32]: each 32 values get
-// d = max|x| / 127 and q = round(x / d) (d = 0, q = 0 for an all-zero run).
-inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
-  for (int64_t c = 0, n = M * K / 32; c < n; ++c) {
-    const float* xc = x + 32 * c;
+// The input rows x [M, K] as int8 levels q [M, K] and scales d [M, K / run]: each `run` values
+// (32, or 256 for the K-quants' loops) get d = max|x| / 127 and q = round(x / d) (d = 0, q = 0
+// for an all-zero run).
+inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d) {
+  for (int64_t c = 0, n = M * K / run; c < n; ++c) {
+    const float* xc = x + run * c;
     float amax = 0.0f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xc[j]));
+    for (int64_t j = 0; j < run; ++j) amax = std::max(amax, std::fabs(xc[j]));
     const float dc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     d[c] = dc;
-    for (int j = 0; j < 32; ++j) q[32 * c + j] = static_cast<int8_t>(std::nearbyint(xc[j] * inv));
+    for (int64_t j = 0; j < run; ++j) q[run * c + j] = static_cast<int8_t>(std::nearbyint(xc[j] * inv));
   }
+}
+
+// Sums of the int8 input levels over each 16 values: s [M, K / 16].
+inline void level_sums16(const int8_t* q, int64_t M, int64_t K, int16_t* s) {
+  for (int64_t c = 0, n = M * K / 16; c < n; ++c) {
+    int sum = 0;
+    for (int j = 0; j < 16; ++j) sum += q[16 * c + j];
+    s[c] = static_cast<int16_t>(sum);
+  }
+}
+
+// Values per input scale of a type's int8 products: 256 for the K-quants whose loop (ggml_int8_rows.h)
+// multiplies the sub-block scales in integers, as llama.cpp's Q8_K input does (one scale a block);
+// 32 for the others (llama.cpp's Q8_0 / Q8_1).
+inline int64_t int8_input_run(int id) {
+  return id == kQ4_K || id == kQ5_K || id == kQ6_K ? 256 : 32;
 }
 
 // Whether the float register kernel of a type takes the input rows in kernel order

@@ -27,11 +27,17 @@ class PreparedProduct {
     a_.out = out;
     if (uses_registers(t.id, M, avx2_)) {
       if (uses_int8(t.id, M, avx2_) && K % 32 == 0) {
+        a_.xrun = K % int8_input_run(t.id) == 0 ? int8_input_run(t.id) : 32;
         xq_.resize(static_cast<size_t>(M * K));
-        xd_.resize(static_cast<size_t>(M * K / 32));
-        quantize_rows_int8(x, M, K, xq_.data(), xd_.data());
+        xd_.resize(static_cast<size_t>(M * K / a_.xrun));
+        quantize_rows_int8(x, M, K, a_.xrun, xq_.data(), xd_.data());
         a_.xq = xq_.data();
         a_.xd = xd_.data();
+        if (t.id == kQ6_K) {
+          xsum16_.resize(static_cast<size_t>(M * K / 16));
+          level_sums16(xq_.data(), M, K, xsum16_.data());
+          a_.xsum16 = xsum16_.data();
+        }
       }
       if (bias_sub(t.id)) {
         a_.sub = bias_sub(t.id);
@@ -68,6 +74,7 @@ class PreparedProduct {
   bool avx2_ = false;
   std::vector<float> xsum_, xperm_, xd_;
   std::vector<int8_t> xq_;
+  std::vector<int16_t> xsum16_;
 };
 
 }  // namespace metalnn_ggml
