@@ -74,14 +74,14 @@ def int8_input_rows() -> int:
     max|x| / 127, and the products are integer dot products) decoding products run 1.25-1.5x
     faster single-threaded (``scripts/bench_products_llamacpp.py``) but are less exact: on the
     bundled SmolLM2-135M Q4_1 the greedy continuation of "The capital of France is" stays " Paris."
-    and then goes another way. ``METALNN_GGML_INT8_ROWS=4`` in the environment sets it at start-up;
+    and then goes another way. ``METALNN_GGML_INT8_ROWS=8`` in the environment sets it at start-up;
     `metalnn.functional.ggml_int8_inputs` (the commands' ``--int8-products``) switches it for a block.
     """
     return int(_ext.ggml_get_int8_rows()) if _ext is not None else 0
 
 
 def set_int8_input_rows(rows: int) -> None:
-    """Set `int8_input_rows` (e.g. 4: decoding steps of up to 4 sequences; 0: float32 inputs)."""
+    """Set `int8_input_rows` (e.g. 8: decoding steps of up to 8 sequences; 0: float32 inputs)."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"set_int8_input_rows: rows must be an int >= 0, got {rows!r}")
     if _ext is not None:

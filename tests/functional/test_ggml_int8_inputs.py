@@ -7,7 +7,7 @@ in float64. The formats with a minimum (Q4_1, Q5_1, Q2_K, Q4_K,
 Q5_K) multiply their minimum terms by the exact input sums (a little more exact than llama.cpp's
 Q8_1 / Q8_K sums), so their reference is ``(levels * d) @ (W - M).T + x @ M.T`` with M the minimum
 terms (gguf-py's decoding of the blocks with their levels zeroed). Inside the context a decoding
-product (1-4 input rows) must equal the reference within float32 summation error (bound
+product (up to `INT8_INPUT_ROWS` = 8 input rows) must equal the reference within float32 summation error (bound
 4 K u sum|x_k w_k|, u = 2^-24: the order of the sums differs) and be farther than that from the float
 product ``x @ W.T`` somewhere; outside it (restored), and for more rows than `INT8_INPUT_ROWS`, the
 product is the float one within the same bound.
@@ -74,7 +74,7 @@ def bound(x, wf):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 6])  # 6: more rows than the float register kernels take
 def test_decoding_products_take_int8_inputs_inside_the_context(qtype, rows):
     w, wf, minimums = weight(qtype)
     x = np.random.default_rng(1).standard_normal((rows, K)).astype(np.float32)

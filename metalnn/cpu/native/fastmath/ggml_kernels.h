@@ -981,9 +981,11 @@ inline bool uses_registers(int id, int64_t M, bool avx2) {
   return avx2 && has_register_kernel(id) && M <= register_rows_setting().load();
 }
 
-// Whether the register kernel of a product of M input rows takes the input as int8.
+// Whether the register kernel of a product of M input rows takes the input as int8 (up to
+// `int8_rows_setting` rows, beyond `register_rows_setting`: with int8 inputs the register kernels
+// stay faster than the decoded-rows product up to 8 rows at least, as the float ones do not).
 inline bool uses_int8(int id, int64_t M, bool avx2) {
-  return uses_registers(id, M, avx2) && M <= int8_rows_setting().load();
+  return avx2 && has_register_kernel(id) && M <= int8_rows_setting().load();
 }
 
 // The input rows x [M, K] as int8 levels q [M, K] and scales d [M, K / run]: each `run` values
@@ -1034,7 +1036,7 @@ inline bool register_kernel_order(int id) {
 inline void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, bool avx2) {
 #if METALNN_GGML_X86
   if (avx2) {
-    if (uses_registers(a.type->id, a.M, avx2)) {
+    if (a.xq != nullptr || uses_registers(a.type->id, a.M, avx2)) {
       dispatch_fast<MatmulRegisters>(a.type->id, a, r0, r1);
       return;
     }

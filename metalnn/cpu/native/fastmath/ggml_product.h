@@ -25,8 +25,9 @@ class PreparedProduct {
     a_.M = M;
     a_.x = x;
     a_.out = out;
-    if (uses_registers(t.id, M, avx2_)) {
-      if (uses_int8(t.id, M, avx2_) && K % 32 == 0) {
+    const bool int8 = uses_int8(t.id, M, avx2_) && K % 32 == 0;
+    if (int8 || uses_registers(t.id, M, avx2_)) {
+      if (int8) {
         a_.xrun = K % int8_input_run(t.id) == 0 ? int8_input_run(t.id) : 32;
         xq_.resize(static_cast<size_t>(M * K));
         xd_.resize(static_cast<size_t>(M * K / a_.xrun));
