@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import transformers
 
-import metalnn as mn
-from tests.support.hf_models import hf_logits, hf_model, max_error, tokens
+from tests.support.hf_models import hf_logits, hf_model, max_error, saved_checkpoints, tokens
 
 TOL = 2e-4
 VOCAB = 96
@@ -41,21 +40,13 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            hf = FAMILIES[name]()
-            folder = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(folder)
-            cache[name] = (hf, mn.models.load_pretrained(folder))
-        return cache[name]
-    return get
+    """{family: (transformers model, metalnn model, folder)}."""
+    return saved_checkpoints(tmp_path_factory, {name: build() for name, build in FAMILIES.items()})
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_last_only_gives_the_last_positions_logits(checkpoints, family):
-    hf, model = checkpoints(family)
+    hf, model, _ = checkpoints[family]
     toks = tokens(VOCAB, (2, 11), seed=3)
     want = hf_logits(hf, toks)  # [2, 11, vocab]
     scale = np.abs(want).max()
@@ -74,7 +65,7 @@ def test_last_only_gives_the_last_positions_logits(checkpoints, family):
 
 
 def test_last_only_of_one_sequence_and_of_one_token(checkpoints):
-    hf, model = checkpoints("llama")
+    hf, model, _ = checkpoints["llama"]
     toks = tokens(VOCAB, (1, 7), seed=4)
     want = hf_logits(hf, toks)[0]
     got = model(mx.array(toks[0]), last_only=True)  # [T] in: [1, vocab] out

@@ -161,13 +161,15 @@ struct Q6_K {
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
     const __m256i s16 = _mm256_cvtepi8_epi16(load128(p + 192));  // the 16 scales
-    const __m256i first = _mm256_permute2x128_si256(s16, s16, 0x00), second = _mm256_permute2x128_si256(s16, s16, 0x11);
+    const __m256i first = _mm256_permute2x128_si256(s16, s16, 0x00);  // scales 0-7 in both halves
+    const __m256i second = _mm256_permute2x128_si256(s16, s16, 0x11);  // 8-15
     const __m256 d = _mm256_set1_ps(h2f(p + 208));
     ChunkSink<8> levels;
     FQ6_K::unsigned_chunks(p, levels);
     __m256i sums[MB];
     for (int m = 0; m < MB; ++m) {
-      const __m256i offset = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(in.s16 + m * in.lds16 + 16 * b)), s16);
+      const auto* level_sums = reinterpret_cast<const uint8_t*>(in.s16 + m * in.lds16 + 16 * b);
+      const __m256i offset = _mm256_madd_epi16(load256(level_sums), s16);
       sums[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
     }
     for (int j = 0; j < 8; ++j) {
@@ -207,8 +209,8 @@ GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
     const uint8_t* row = a.w + r * rb;
     for (int64_t m = 0; m < a.M; m += 4) {
       const int64_t ldd = a.K / a.xrun;
-      const Inputs in{a.xq + m * a.K, a.xd + m * ldd, a.xsum ? a.xsum + m * (a.K / 32) : nullptr, a.K, ldd, a.K / 32,
-                      a.xsum16 ? a.xsum16 + m * (a.K / 16) : nullptr, a.K / 16};
+      const Inputs in{a.xq + m * a.K, a.xd + m * ldd, a.xsum ? a.xsum + m * (a.K / 32) : nullptr,
+                      a.K, ldd, a.K / 32, a.xsum16 ? a.xsum16 + m * (a.K / 16) : nullptr, a.K / 16};
       float* out = a.out + m * a.N + r;
       switch (std::min<int64_t>(4, a.M - m)) {
         case 4:

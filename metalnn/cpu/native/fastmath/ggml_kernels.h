@@ -69,8 +69,9 @@ inline std::atomic<int>& register_rows_setting() {
 
 // Input rows up to which the register kernels take the input quantized to int8, as llama.cpp's
 // products do: each 32 values of an input row (256 for the K-quants with their own loops:
-// int8_input_run) become int8 levels and one float scale, max|x| / 127, and a block's products are integer dot products scaled once. Faster (1.25-1.5x
-// single-threaded, scripts/bench_products_llamacpp.py) but less exact: on the bundled
+// int8_input_run) become int8 levels and one float scale, max|x| / 127, and a block's products are
+// integer dot products scaled once. Faster (1.25-1.5x single-threaded,
+// scripts/bench_products_llamacpp.py) but less exact: on the bundled
 // SmolLM2-135M Q4_1 the greedy continuation of "The capital of France is" stays " Paris." and then
 // goes another way. Default 0 (the input stays float32); METALNN_GGML_INT8_ROWS=<rows> sets it.
 inline int default_int8_rows() {

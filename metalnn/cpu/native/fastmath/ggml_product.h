@@ -28,7 +28,7 @@ class PreparedProduct {
     const bool int8 = uses_int8(t.id, M, avx2_) && K % 32 == 0;
     if (int8 || uses_registers(t.id, M, avx2_)) {
       if (int8) {
-        a_.xrun = K % int8_input_run(t.id) == 0 ? int8_input_run(t.id) : 32;
+        a_.xrun = int8_input_run(t.id);  // (a K-quant's K is whole blocks of 256)
         xq_.resize(static_cast<size_t>(M * K));
         xd_.resize(static_cast<size_t>(M * K / a_.xrun));
         quantize_rows_int8(x, M, K, a_.xrun, xq_.data(), xd_.data());
