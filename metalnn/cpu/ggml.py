@@ -74,8 +74,9 @@ def int8_input_rows() -> int:
     int8 levels and a scale max|x| / 127, and the products are integer dot products) decoding
     products run 1.25-1.5x faster single-threaded (``scripts/bench_products_llamacpp.py``) but are
     less exact: on the bundled SmolLM2-135M Q4_1 the greedy continuation of "The capital of France
-    is" stays " Paris." and then goes another way. ``METALNN_GGML_INT8_ROWS=8`` in the environment sets it at start-up;
-    `metalnn.functional.ggml_int8_inputs` (the commands' ``--int8-products``) switches it for a block.
+    is" stays " Paris." and then goes another way. ``METALNN_GGML_INT8_ROWS=8`` in the environment
+    sets it at start-up; `metalnn.functional.ggml_int8_inputs` (the commands' ``--int8-products``)
+    switches it for a block.
     """
     return int(_ext.ggml_get_int8_rows()) if _ext is not None else 0
 

@@ -20,23 +20,14 @@
 namespace metalnn_ggml {
 namespace int8_rows {
 
-// Integer dot of 32 unsigned levels u (0..127) with 32 int8 inputs: 8 int32 partial sums (lane i
-// sums values 4i .. 4i + 3).
-GGML_INLINE __m256i udot_i32(__m256i u, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+// Integer dot of 32 unsigned levels u (0..127) with 32 int8 inputs: 8 int32 partial sums as floats.
+GGML_INLINE __m256 udot(__m256i u, __m256i x) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
 
 // The same for signed levels q (-128..127).
-GGML_INLINE __m256i sdot_i32(__m256i q, __m256i x) {
-  return udot_i32(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-}
-
-// udot_i32 / sdot_i32 as floats.
-GGML_INLINE __m256 udot(__m256i u, __m256i x) {
-  return _mm256_cvtepi32_ps(udot_i32(u, x));
-}
 GGML_INLINE __m256 sdot(__m256i q, __m256i x) {
-  return _mm256_cvtepi32_ps(sdot_i32(q, x));
+  return udot(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
 }
 
 // Input rows: their levels, their scales (one every `ldq / ldd` values: 32, or 256 for the
