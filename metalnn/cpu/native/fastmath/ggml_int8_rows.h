@@ -177,9 +177,6 @@ struct Q6_K {
   }
 };
 
-// The 32-value types read the row 1 KiB ahead (measured: Q8_0 1.2-1.4x single-threaded on this
-// machine's memory; the K-quants ran slower with it).
-constexpr int64_t PREFETCH_BYTES = 1024;
 
 // out[m, r] for weight row r and the input rows m0 .. m0 + MB - 1.
 template <class T, int MB>
@@ -187,7 +184,7 @@ GGML_TARGET void row_dot(const uint8_t* row, int64_t nblocks, const Inputs& in, 
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
-    if constexpr (T::QK == 32) _mm_prefetch(reinterpret_cast<const char*>(row + b * T::TS + PREFETCH_BYTES), _MM_HINT_T0);
+    prefetch_block_ahead<T::TS>(row + b * T::TS);  // every line of the block (ggml_kernels.h)
     T::template block<MB>(row + b * T::TS, in, b, acc);
   }
   for (int m = 0; m < MB; ++m) out[m * ldo] = hsum(acc[m]);
