@@ -74,7 +74,9 @@ def bound(x, wf):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 6])  # 6: more rows than the float register kernels take
+# 5-8: more rows than the float register kernels take; one pass over a weight row for the 32-value types,
+# passes of 3 + 2, 4 + 4 for the K-quants
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 8])
 def test_decoding_products_take_int8_inputs_inside_the_context(qtype, rows):
     w, wf, minimums = weight(qtype)
     x = np.random.default_rng(1).standard_normal((rows, K)).astype(np.float32)

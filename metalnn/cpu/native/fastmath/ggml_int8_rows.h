@@ -190,29 +190,38 @@ GGML_TARGET void row_dot(const uint8_t* row, int64_t nblocks, const Inputs& in, 
   for (int m = 0; m < MB; ++m) out[m * ldo] = hsum(acc[m]);
 }
 
+// row_dot for n (1 .. MB) input rows.
+template <class T, int MB>
+GGML_TARGET void row_dot_n(int n, const uint8_t* row, int64_t nblocks, const Inputs& in, float* out, int64_t ldo) {
+  if constexpr (MB > 1) {
+    if (n < MB) return row_dot_n<T, MB - 1>(n, row, nblocks, in, out, ldo);
+  }
+  row_dot<T, MB>(row, nblocks, in, out, ldo);
+}
+
+// The input rows a pass over a weight row takes at most: 8 for the 32-value types (accumulators
+// and one chunk in registers), 4 for the K-quants (their 8 chunks of a block stay in registers
+// beside them).
+template <class T>
+constexpr int max_pass_rows() {
+  return T::QK == 32 ? 8 : 4;
+}
+
 template <class T>
 GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
-  const int64_t rb = a.row_bytes(), nblocks = a.K / T::QK;
+  constexpr int MB = max_pass_rows<T>();
+  const int64_t rb = a.row_bytes(), nblocks = a.K / T::QK, ldd = a.K / a.xrun;
+  // M rows in passes of even size (5 with MB = 4: 3 + 2, not 4 + 1: a pass decodes the row's blocks
+  // again, which a single row does not amortize)
+  const int64_t passes = (a.M + MB - 1) / MB;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = a.w + r * rb;
-    for (int64_t m = 0; m < a.M; m += 4) {
-      const int64_t ldd = a.K / a.xrun;
+    for (int64_t m = 0, p = 0; m < a.M; ++p) {
+      const int n = static_cast<int>((a.M - m + (passes - p) - 1) / (passes - p));
       const Inputs in{a.xq + m * a.K, a.xd + m * ldd, a.xsum ? a.xsum + m * (a.K / 32) : nullptr,
                       a.K, ldd, a.K / 32, a.xsum16 ? a.xsum16 + m * (a.K / 16) : nullptr, a.K / 16};
-      float* out = a.out + m * a.N + r;
-      switch (std::min<int64_t>(4, a.M - m)) {
-        case 4:
-          row_dot<T, 4>(row, nblocks, in, out, a.N);
-          break;
-        case 3:
-          row_dot<T, 3>(row, nblocks, in, out, a.N);
-          break;
-        case 2:
-          row_dot<T, 2>(row, nblocks, in, out, a.N);
-          break;
-        default:
-          row_dot<T, 1>(row, nblocks, in, out, a.N);
-      }
+      row_dot_n<T, MB>(n, row, nblocks, in, a.out + m * a.N + r, a.N);
+      m += n;
     }
   }
 }
