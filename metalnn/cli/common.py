@@ -36,7 +36,7 @@ def add_int8_products(parser):
     parser.add_argument("--int8-products", action="store_true", help=(
         "decode GGUF models with the products' inputs quantized to int8 per 32 values (256 for Q4_K, Q5_K, "
         "Q6_K), as llama.cpp does: "
-        "1.1-1.4x faster decoding on the CPU, a little less exact (default: float32 inputs, the products of "
+        "1.1-1.3x faster decoding on the CPU, a little less exact (default: float32 inputs, the products of "
         "the dequantized weights)"))
 
 

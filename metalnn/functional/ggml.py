@@ -106,7 +106,7 @@ def ggml_int8_inputs(enabled: bool = True):
     """Within the block, products with GGML weights on the CPU take their input quantized to int8 as
     llama.cpp computes them (every 32 input values, 256 for Q4_K, Q5_K and Q6_K, become int8 levels
     and a scale max|x| / 127; integer dot products per block) when they have at most
-    `INT8_INPUT_ROWS` input rows, which is what decoding runs: 1.1-1.4x faster decoding of GGUF
+    `INT8_INPUT_ROWS` input rows, which is what decoding runs: 1.1-1.3x faster decoding of GGUF
     models, a little less exact (the default float32 inputs give ``x @ dequantize(W).T`` up to the
     order of the sums). The setting is
     process-wide (`metalnn.cpu.ggml.set_int8_input_rows`) and restored on exit; ``enabled=False``
