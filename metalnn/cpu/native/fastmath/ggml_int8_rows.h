@@ -177,7 +177,6 @@ struct Q6_K {
   }
 };
 
-
 // out[m, r] for weight row r and the input rows m0 .. m0 + MB - 1.
 template <class T, int MB>
 GGML_TARGET void row_dot(const uint8_t* row, int64_t nblocks, const Inputs& in, float* out, int64_t ldo) {

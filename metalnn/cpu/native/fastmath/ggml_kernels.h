@@ -203,9 +203,9 @@ GGML_INLINE __m128i load128(const uint8_t* p) {
 }
 
 // How far ahead of the block being multiplied a decoding product asks for its weight row's bytes:
-// the VM's hardware prefetcher alone left the single-row products waiting on memory (measured on
-// 8192 x 2048 weights, two threads, alternated runs: float inputs 1.1-1.3x faster, the K-quants' int8
-// loops 1.1x; llama.cpp's vec_dot rows are now slower than ours on the same bytes).
+// the hardware prefetcher alone left the single-row products waiting on memory (measured on 8192 x
+// 2048 weights, two threads, alternated runs: float inputs 1.1-1.3x faster, the K-quants' int8 loops
+// 1.1x; README, "Prefetching the weights' rows").
 constexpr int64_t PREFETCH_AHEAD = 1536;
 
 // Asks for every cache line of the block of TS bytes at p, PREFETCH_AHEAD bytes on (a prefetch
