@@ -729,7 +729,6 @@ GGML_TARGET void matmul_rows_registers(const MatmulArgs& a, int64_t r0, int64_t 
   const int64_t rb = a.row_bytes();
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = a.w + r * rb;
-    if (r + 2 < r1) _mm_prefetch(reinterpret_cast<const char*>(a.w + (r + 2) * rb), _MM_HINT_T0);
     int64_t m = 0;
     for (; m + 4 <= a.M; m += 4) dot_rows<T, Sink, 4>(a, row, m, r);
     switch (a.M - m) {
