@@ -27,12 +27,14 @@ from .norm import RMSNorm
 class KVCache:
     """Keys and values of the positions seen so far, for one attention layer.
 
-    Storage grows in blocks of ``step`` positions and new entries are written in place, so
-    appending one token does not copy the whole cache. ``offset`` is the number of cached
-    positions (the position of the next token).
+    Storage grows in blocks of ``step`` positions (below ``step``, to the next power of two, at
+    least ``first``, so a short generation does not hold 256 positions) and new entries are
+    written in place, so appending one token does not copy the whole cache. ``offset`` is the
+    number of cached positions (the position of the next token).
     """
 
     step = 256
+    first = 16
 
     def __init__(self):
         self.keys = None
@@ -41,12 +43,12 @@ class KVCache:
 
     def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype, value_dim: int | None = None):
         """The key and value buffers ``[batch, kv_heads, capacity, head_dim]`` with room for ``t`` more
-        positions after ``offset`` (grown in blocks of ``step``, the cached positions copied over);
+        positions after ``offset`` (grown as `capacity` says, the cached positions copied over);
         ``value_dim`` (default ``head_dim``): the values' last axis, when it differs (multi-head
         latent attention caches its latent as keys and its rotary key as values)."""
         prev = self.offset
         if self.keys is None or prev + t > self.keys.shape[2]:
-            cap = ((prev + t + self.step - 1) // self.step) * self.step
+            cap = self.capacity(prev + t)
             shape = (batch, kv_heads, cap, head_dim)
             nk = mx.zeros(shape, dtype)
             nv = mx.zeros(shape[:3] + (value_dim or head_dim,), dtype)
@@ -55,6 +57,12 @@ class KVCache:
                 nv[..., :prev, :] = self.values[..., :prev, :]
             self.keys, self.values = nk, nv
         return self.keys, self.values
+
+    def capacity(self, n: int) -> int:
+        """Room for ``n`` positions: the next power of two (at least ``first``) while below ``step``,
+        else a multiple of ``step``."""
+        small = max(self.first, 1 << max(n - 1, 0).bit_length())
+        return small if small < self.step else -(-n // self.step) * self.step
 
     def advance(self, keys, values, t: int):
         """Take ``keys`` / ``values`` (the buffers of `buffers_for` with ``t`` new positions written

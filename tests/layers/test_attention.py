@@ -207,6 +207,25 @@ def test_kv_cache_grows_past_block():
     assert cache.offset == 11 and cache.keys.shape[2] == 12
 
 
+def test_kv_cache_room_doubles_from_first_then_grows_by_step():
+    """A short sequence holds 16, 32, ... positions, not 256; from ``step`` on, multiples of it; the
+    positions written before each growth are kept."""
+    cache = mn.KVCache()
+    rooms, written = [], []
+    for i in range(600):
+        x = mx.full((1, 2, 1, 4), float(i))
+        k, _ = cache.update_and_fetch(x, x)
+        written.append(i)
+        if not rooms or cache.keys.shape[2] != rooms[-1]:
+            rooms.append(cache.keys.shape[2])
+    assert rooms == [16, 32, 64, 128, 256, 512, 768]
+    np.testing.assert_array_equal(np.array(k)[0, 1, :, 0], np.array(written, dtype=np.float32))
+    assert [cache.capacity(n) for n in (1, 16, 17, 200, 256, 257, 700)] == [16, 16, 32, 256, 256, 512, 768]
+    prompt = mn.KVCache()
+    prompt.update_and_fetch(mx.zeros((1, 2, 300, 4)), mx.zeros((1, 2, 300, 4)))
+    assert prompt.keys.shape[2] == 512
+
+
 def test_self_attention_errors(device):
     with pytest.raises(ValueError, match="multiple"):
         mn.SelfAttention(6, num_kv_heads=4)

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import UnsupportedConfigError
+from .reader import StringArray, find_gguf, read_header
 
 #: export type -> (GGML type of the mix's ordinary tensors, gguf-py's ``LlamaFileType`` name)
 EXPORT_TYPES = {
@@ -225,7 +226,7 @@ def _copy_metadata(writer, metadata: dict):
             writer.add_float32(key, value)
         elif isinstance(value, str):
             writer.add_string(key, value)
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple, StringArray)):
             writer.add_array(key, list(value))
 
 
@@ -313,8 +314,6 @@ def _tokenizer_metadata(writer, tokenizer, vocab_size: int):
 
 def _gguf_tokenizer_metadata(path) -> dict | None:
     """The ``tokenizer.*`` metadata of a GGUF file (None when ``path`` is no GGUF file)."""
-    from .reader import find_gguf, read_header
-
     path = Path(path)
     file = find_gguf(path) if path.exists() else None
     if file is None:

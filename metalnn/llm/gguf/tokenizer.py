@@ -14,6 +14,7 @@ Tokens of type CONTROL become special tokens (kept whole, skipped when decoding 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -67,14 +68,29 @@ def merges_from_scores(tokens, scores) -> list:
     return [(left, right) for left, right, _ in found]
 
 
-def _split_merges(merges):
-    out = []
-    for m in merges:
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"tokenizer.ggml.merges: entry {m!r} is not two tokens separated by one space")
-        out.append((parts[0], parts[1]))
-    return out
+class MergePairs(Sequence):
+    """``tokenizer.ggml.merges`` (``"left right"`` strings) as ``(left, right)`` pairs, split when read,
+    so that ``tokenizers`` copies them without a list of ~100,000 strings being made first (whose
+    freed memory the process would keep). Raises ValueError for an entry that is not two tokens
+    separated by one space."""
+
+    def __init__(self, merges):
+        for m in merges:
+            if m.count(" ") != 1:
+                raise ValueError(f"tokenizer.ggml.merges: entry {m!r} is not two tokens separated by one space")
+        self.merges = merges
+
+    def __len__(self) -> int:
+        return len(self.merges)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [tuple(m.split(" ")) for m in self.merges[i]]
+        return tuple(self.merges[i].split(" "))
+
+    def __iter__(self):
+        for m in self.merges:
+            yield tuple(m.split(" "))
 
 
 def _byte_level(meta):
@@ -88,7 +104,7 @@ def _byte_level(meta):
     if merges is None:
         merges = merges_from_scores(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
     else:
-        merges = _split_merges(merges)
+        merges = MergePairs(merges)
     tok = t.Tokenizer(t.models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
                                    fuse_unk=False))
     pre = meta.get("tokenizer.ggml.pre")
@@ -115,7 +131,7 @@ def _sentencepiece(meta):
     if merges is None:
         merges = merges_from_scores(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
     else:
-        merges = _split_merges(merges)
+        merges = MergePairs(merges)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     tok = t.Tokenizer(t.models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None))
@@ -156,9 +172,8 @@ def build(meta: dict, source: str = "GGUF"):
                if k == CONTROL and (letters is None or set(s) <= letters)]
     if control:
         tok.add_special_tokens(control)
-    vocab = tok.get_vocab()
     user = [t.AddedToken(s, normalized=False, special=False) for s, k in zip(tokens, types)
-            if k == USER_DEFINED and s in vocab]
+            if k == USER_DEFINED and tok.token_to_id(s) is not None]
     if user:
         tok.add_tokens(user)
     bos = special_token(meta, "bos_token_id")
