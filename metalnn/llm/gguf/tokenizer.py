@@ -14,8 +14,10 @@ Tokens of type CONTROL become special tokens (kept whole, skipped when decoding 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import repeat
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -75,9 +77,9 @@ class MergePairs(Sequence):
     separated by one space."""
 
     def __init__(self, merges):
-        for m in merges:
-            if m.count(" ") != 1:
-                raise ValueError(f"tokenizer.ggml.merges: entry {m!r} is not two tokens separated by one space")
+        if len(merges) and set(map(str.count, merges, repeat(" "))) != {1}:
+            bad = next(m for m in merges if m.count(" ") != 1)
+            raise ValueError(f"tokenizer.ggml.merges: entry {bad!r} is not two tokens separated by one space")
         self.merges = merges
 
     def __len__(self) -> int:
@@ -89,17 +91,32 @@ class MergePairs(Sequence):
         return tuple(self.merges[i].split(" "))
 
     def __iter__(self):
-        for m in self.merges:
-            yield tuple(m.split(" "))
+        return map(tuple, map(str.split, self.merges, repeat(" ")))
+
+
+@lru_cache(maxsize=1)
+def _outside_byte_alphabet():
+    """A regex finding a character outside GPT-2's byte alphabet."""
+    return re.compile("[^" + "".join(map(re.escape, sorted(byte_alphabet().values()))) + "]")
+
+
+def byte_level_vocab(tokens) -> dict:
+    """``{token: id}`` for byte-level BPE, each token in GPT-2's byte alphabet: a token written in other
+    characters (plain UTF-8 text) is spelled byte by byte. A token listed twice keeps its last id."""
+    vocab = dict(zip(tokens, range(len(tokens))))
+    odd = list(filter(_outside_byte_alphabet().search, vocab))
+    if odd:
+        alphabet = byte_alphabet()
+        for tok in odd:
+            vocab["".join(alphabet[b] for b in tok.encode("utf-8"))] = vocab.pop(tok)
+    return vocab
 
 
 def _byte_level(meta):
     t = _tokenizers()
-    alphabet = byte_alphabet()
-    letters = set(alphabet.values())
+    letters = set(byte_alphabet().values())
     tokens = meta["tokenizer.ggml.tokens"]
-    vocab = {(tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8"))): i
-             for i, tok in enumerate(tokens)}
+    vocab = byte_level_vocab(tokens)
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         merges = merges_from_scores(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
@@ -168,12 +185,17 @@ def build(meta: dict, source: str = "GGUF"):
     tok, letters = BUILDERS[kind](meta)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or []
-    control = [t.AddedToken(s, normalized=False, special=True) for s, k in zip(tokens, types)
-               if k == CONTROL and (letters is None or set(s) <= letters)]
+    n = min(len(tokens), len(types))
+
+    def of_type(kind):  # (only the few tokens of that type are read)
+        return [tokens[i] for i, k in enumerate(types) if k == kind and i < n]
+
+    control = [t.AddedToken(s, normalized=False, special=True) for s in of_type(CONTROL)
+               if letters is None or set(s) <= letters]
     if control:
         tok.add_special_tokens(control)
-    user = [t.AddedToken(s, normalized=False, special=False) for s, k in zip(tokens, types)
-            if k == USER_DEFINED and tok.token_to_id(s) is not None]
+    user = [t.AddedToken(s, normalized=False, special=False) for s in of_type(USER_DEFINED)
+            if tok.token_to_id(s) is not None]
     if user:
         tok.add_tokens(user)
     bos = special_token(meta, "bos_token_id")
