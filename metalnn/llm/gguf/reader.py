@@ -59,9 +59,9 @@ _decode_utf8 = partial(str, encoding="utf-8", errors="replace")
 
 class StringArray(Sequence):
     """A GGUF array of strings, kept as its bytes and each item's byte range; items decode (UTF-8,
-    invalid bytes replaced) when read. A 49,152-token vocabulary takes ~1.2 MiB so, against ~5 MiB
-    as a list of ``str`` (whose freed memory the process often keeps); it compares equal to a list
-    of the same strings.
+    invalid bytes replaced) when read. SmolLM2's 49,152 tokens take 1.5 MiB this way, 4.0 MiB as a
+    list of ``str`` (whose freed memory the process often keeps). It compares equal to a list of
+    the same strings.
     """
 
     __slots__ = ("_blob", "_starts", "_ends")

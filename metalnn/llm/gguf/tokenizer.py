@@ -143,7 +143,7 @@ def _byte_level(meta):
 def _sentencepiece(meta):
     t = _tokenizers()
     tokens = meta["tokenizer.ggml.tokens"]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
+    vocab = dict(zip(tokens, range(len(tokens))))
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         merges = merges_from_scores(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
