@@ -85,7 +85,7 @@ class StringArray(Sequence):
         return len(self._starts)
 
     def _item(self, i: int) -> str:
-        return self._blob[self._starts[i]:self._ends[i]].decode("utf-8", errors="replace")
+        return _decode_utf8(self._blob[self._starts[i]:self._ends[i]])
 
     def __getitem__(self, i):
         if isinstance(i, slice):

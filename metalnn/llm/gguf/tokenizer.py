@@ -114,7 +114,6 @@ def byte_level_vocab(tokens) -> dict:
 
 def _byte_level(meta):
     t = _tokenizers()
-    letters = set(byte_alphabet().values())
     tokens = meta["tokenizer.ggml.tokens"]
     vocab = byte_level_vocab(tokens)
     merges = meta.get("tokenizer.ggml.merges")
@@ -137,7 +136,7 @@ def _byte_level(meta):
             t.pre_tokenizers.Split(t.Regex(split), behavior="isolated"),
             t.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = t.decoders.ByteLevel()
-    return tok, letters
+    return tok, True
 
 
 def _sentencepiece(meta):
@@ -155,7 +154,7 @@ def _sentencepiece(meta):
     tok.pre_tokenizer = t.pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     tok.decoder = t.decoders.Sequence([t.decoders.Replace("\u2581", " "), t.decoders.ByteFallback(), t.decoders.Fuse(),
                                        t.decoders.Strip(content=" ", left=1, right=0)])
-    return tok, None
+    return tok, False
 
 
 BUILDERS = {"gpt2": _byte_level, "llama": _sentencepiece}
@@ -182,16 +181,15 @@ def build(meta: dict, source: str = "GGUF"):
         raise ValueError(f"{source}: no tokenizer in this GGUF file (tokenizer.ggml.tokens missing)")
     if kind not in BUILDERS:
         raise ValueError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: {sorted(BUILDERS)})")
-    tok, letters = BUILDERS[kind](meta)
+    tok, byte_level = BUILDERS[kind](meta)
     tokens = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type") or []
-    n = min(len(tokens), len(types))
+    types = (meta.get("tokenizer.ggml.token_type") or [])[:len(tokens)]
 
     def of_type(kind):  # (only the few tokens of that type are read)
-        return [tokens[i] for i, k in enumerate(types) if k == kind and i < n]
+        return [tokens[i] for i, k in enumerate(types) if k == kind]
 
     control = [t.AddedToken(s, normalized=False, special=True) for s in of_type(CONTROL)
-               if letters is None or set(s) <= letters]
+               if not byte_level or _outside_byte_alphabet().search(s) is None]
     if control:
         tok.add_special_tokens(control)
     user = [t.AddedToken(s, normalized=False, special=False) for s in of_type(USER_DEFINED)
