@@ -91,7 +91,8 @@ def decoder_block_step(x, gains, weights, types, biases, keys, values, inv_freq,
 
 class StackBlocks:
     """Consecutive blocks prepared for `decoder_stack_step`: what stays the same from one step to the
-    next (parameters, options), worked out once.
+    next (parameters, options), checked and held natively once (a step's node then reads only ``x``,
+    the positions and the caches).
 
     Args:
         blocks: one dict a block with the arguments of `decoder_block_step` other than ``x``, the
@@ -99,31 +100,31 @@ class StackBlocks:
             ``inv_freq``, ``heads``, ``kv_heads``, ``head_dim``, ``rope_dims``, ``rope_traditional``,
             ``rope_scale``, ``attn_scale``, ``eps``, and optionally ``qk_gains``, ``qk_eps``,
             ``window``, ``activation``.
+    Raises:
+        ValueError: a parameter of the wrong shape or dtype (the message names the block and the
+            parameter) or an unknown activation.
     """
 
     def __init__(self, blocks):
-        self.ints, self.floats, self.inputs, self.cache_slots = [], [], [], []
+        ints, floats, params = [], [], []
         for b in blocks:
             activation = b.get("activation", "silu")
             if activation not in ACTIVATIONS:
                 raise ValueError(f"decoder_stack_step: activation must be silu or gelu_tanh, got {activation!r}")
             biases, qk = b["biases"], b.get("qk_gains")
-            self.ints += [int(b["heads"]), int(b["kv_heads"]), int(b["head_dim"]), int(b["rope_dims"]),
-                          int(bool(b["rope_traditional"])), int(b.get("window") or 0), int(qk is not None),
-                          int(activation == "gelu_tanh"), *[int(t) for t in b["types"]],
-                          *[int(x is not None) for x in biases]]
-            self.floats += [float(b["rope_scale"]), float(b["attn_scale"]), float(b["eps"]),
-                            float(b.get("qk_eps", 1e-6))]
-            # (the stack's inputs 0 and 1 are x and the positions: see `decoder_stack_step`)
-            start = len(self.inputs) + 2
-            self.cache_slots.append((start + 9, start + 10))
-            self.inputs += [b["gains"][0], b["gains"][1], *b["weights"], None, None, b["inv_freq"]]
-            self.inputs += [x for x in biases if x is not None]
+            ints += [int(b["heads"]), int(b["kv_heads"]), int(b["head_dim"]), int(b["rope_dims"]),
+                     int(bool(b["rope_traditional"])), int(b.get("window") or 0), int(qk is not None),
+                     int(activation == "gelu_tanh"), *[int(t) for t in b["types"]],
+                     *[int(x is not None) for x in biases]]
+            floats += [float(b["rope_scale"]), float(b["attn_scale"]), float(b["eps"]), float(b.get("qk_eps", 1e-6))]
+            params += [b["gains"][0], b["gains"][1], *b["weights"], b["inv_freq"]]
+            params += [x for x in biases if x is not None]
             if qk is not None:
-                self.inputs += list(qk)
+                params += list(qk)
+        self.params = _ext.StackParams(params, ints, floats)
 
     def __len__(self):
-        return len(self.cache_slots)
+        return len(self.params)
 
 
 def decoder_stack_step(x, blocks: StackBlocks, caches, *, offset: int, positions=None, stream=None):
@@ -142,11 +143,6 @@ def decoder_stack_step(x, blocks: StackBlocks, caches, *, offset: int, positions
     """
     if len(caches) != len(blocks):
         raise ValueError(f"decoder_stack_step: {len(caches)} caches for {len(blocks)} blocks")
-    inputs = [x, positions if positions is not None else x, *blocks.inputs]
-    for (k_slot, v_slot), (keys, values) in zip(blocks.cache_slots, caches):
-        inputs[k_slot], inputs[v_slot] = keys, values
-    if positions is None:
-        del inputs[1]  # (the native layout has the positions only with row_positions)
-    outs = _ext.decoder_stack_step(inputs, blocks.ints, blocks.floats, offset=int(offset),
-                                   row_positions=positions is not None, stream=stream)
+    outs = _ext.decoder_stack_step(x, [a for kv in caches for a in kv], blocks.params, offset=int(offset),
+                                   positions=positions, stream=stream)
     return outs[0], list(zip(outs[1::2], outs[2::2]))

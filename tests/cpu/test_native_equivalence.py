@@ -90,15 +90,23 @@ def _cases(ext):
                 eps=1e-5, qk_eps=1e-6, window=0, qk_norm=False, gelu=False, types=[-1] * 7, bias=[False] * 7,
                 offset=1)
     step_inputs = ["bx", "w16", "w16b", "wq16", "wk8", "wv8", "wo16", "wg24", "wu24", "wd16", "kc", "vc", "inv4"]
-    # the stack step of that one block (its inputs laid out as the block step's); the numbers of
-    # `step` as decoder_stack_step lists them (ints: heads, kv_heads, head_dim, rope_dims,
-    # rope_traditional, window, qk_norm, gelu, 7 types, 7 biases; floats: rope_scale, attn_scale, eps, qk_eps)
+    # the stack step of that one block: its parameters held by a `StackParams` (the block step's
+    # inputs without x and the caches), and the numbers of `step` as StackParams lists them (ints:
+    # heads, kv_heads, head_dim, rope_dims, rope_traditional, window, qk_norm, gelu, 7 types, 7
+    # biases; floats: rope_scale, attn_scale, eps, qk_eps). Two StackParams are two parameter sets
+    # (even of equal numbers): a step's node is equivalent only to one of the same StackParams.
     ints = [2, 1, 8, 8, 0, 0, 0, 0] + [-1] * 7 + [0] * 7
     floats = [1.0, 0.3, 1e-5, 1e-6]
-    stack = dict(ints=ints, floats=floats, offset=1)
+    held = _arrays()
+    params = [held[n] for n in step_inputs[1:-3] + ["inv4"]]
+    stacks = {"base": ext.StackParams(params, ints, floats), "other": ext.StackParams(params, ints, [0.5] + floats[1:])}
+    stack = dict(which="base", offset=1)
+
+    def stack_step(which, offset):
+        return lambda x, *caches: ext.decoder_stack_step(x, list(caches), stacks[which], offset=offset)
     # its cache writes, the one cache buffer given as keys and values: the key write (output 1) and
     # the value write (output 2) then read the same inputs and differ in where they read the new rows
-    write_inputs = step_inputs[:-2] + ["kc", "inv4"]
+    write_inputs = ["bx", "kc", "kc"]
     return {
         "FastUnary": (f"Fast({UNARY})", lambda kind: getattr(ext, kind), ["x"], {"kind": "silu"},
                       {"kind": {"kind": "tanh"}}),
@@ -161,15 +169,10 @@ def _cases(ext):
                               "eps": {**step, "eps": 1e-3}, "qk_eps": {**step, "qk_eps": 1e-3},
                               "window": {**step, "window": 1}, "gelu": {**step, "gelu": True},
                               "offset": {**step, "offset": 2}}),
-        "DecoderStackStep": ("DecoderStackStep",
-                             lambda ints, floats, offset: lambda *a: ext.decoder_stack_step(list(a), ints, floats,
-                                                                                             offset=offset),
-                             step_inputs, stack,
-                             {"ints": {**stack, "ints": ints[:5] + [1] + ints[6:]},
-                              "floats": {**stack, "floats": [0.5] + floats[1:]}, "offset": {**stack, "offset": 2}}),
+        "DecoderStackStep": ("DecoderStackStep", stack_step, ["bx", "kc", "vc"], stack,
+                             {"params": {**stack, "which": "other"}, "offset": {**stack, "offset": 2}}),
         "CacheColumnWrite": ("CacheColumnWrite",
-                             lambda which, offset: lambda *a: ext.decoder_stack_step(list(a), ints, floats,
-                                                                                     offset=offset)[which],
+                             lambda which, offset: lambda *a: stack_step("base", offset)(*a)[which],
                              write_inputs, {"which": 1, "offset": 1},
                              {"start": {"which": 2}, "offset": {"offset": 2}}),
     }
@@ -193,7 +196,7 @@ VARIED = [(name, field) for name, fields in [
     ("AdamWUpdate", ["b1", "b2", "eps", "weight_decay", "bias_correction"]),
     ("CausalAttention", ["scale"]), ("CausalAttentionVJP", ["scale"]),
     ("DecoderBlockStep", ["rope_traditional", "rope_scale", "attn_scale", "eps", "qk_eps", "window", "gelu", "offset"]),
-    ("DecoderStackStep", ["ints", "floats", "offset"]), ("CacheColumnWrite", ["start", "offset"]),
+    ("DecoderStackStep", ["params", "offset"]), ("CacheColumnWrite", ["start", "offset"]),
 ] for field in fields]
 
 

@@ -330,20 +330,75 @@ def test_stack_step_leaves_a_buffer_someone_holds(tmp_path):
     assert np.abs(new[:, :, 3]).max() > 0 and np.abs(before[:, :, 3]).max() == 0
 
 
-def test_bad_stack_inputs_name_the_block():
-    D, hd, H, G, I = 32, 8, 4, 2, 48
-    f32 = lambda *s: mx.zeros(s, mx.float32)  # noqa: E731
+def _stack_block(D=32, hd=8, H=4, G=2, I=48, seed=0):
+    rng = np.random.default_rng(seed)
+    f32 = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32) * 0.2)  # noqa: E731
     weights = [f32(H * hd, D), f32(G * hd, D), f32(G * hd, D), f32(D, H * hd), f32(I, D), f32(I, D), f32(D, I)]
-    block = dict(gains=(f32(D), f32(D)), weights=weights, types=[-1] * 7, biases=[None] * 7, inv_freq=f32(hd // 2),
-                 heads=H, kv_heads=G, head_dim=hd, rope_dims=hd, rope_traditional=False, rope_scale=1.0,
-                 attn_scale=hd ** -0.5, eps=1e-5)
+    return dict(gains=(f32(D) + 1, f32(D) + 1), weights=weights, types=[-1] * 7, biases=[None] * 7,
+                inv_freq=mx.abs(f32(hd // 2)), heads=H, kv_heads=G, head_dim=hd, rope_dims=hd, rope_traditional=False,
+                rope_scale=1.0, attn_scale=hd ** -0.5, eps=1e-5)
+
+
+def test_bad_stack_inputs_name_the_block():
+    D, hd, G = 32, 8, 2
+    f32 = lambda *s: mx.zeros(s, mx.float32)  # noqa: E731
+    block = _stack_block(D, hd, G=G)
     blocks = native.StackBlocks([block, block])
     caches = [(f32(1, G, 4, hd), f32(1, G, 4, hd)), (f32(1, G, 4, hd), f32(1, G, 4, hd))]
     out, written = native.decoder_stack_step(f32(1, 1, D), blocks, caches, offset=0)
     assert out.shape == (1, 1, D) and [k.shape for k, _ in written] == [(1, G, 4, hd)] * 2
     with pytest.raises(ValueError, match=r"block 1: the value cache must be float32 of shape \(1, 2, 4, 8\)"):
         native.decoder_stack_step(f32(1, 1, D), blocks, [caches[0], (caches[1][0], f32(1, G, 5, hd))], offset=0)
+    with pytest.raises(ValueError, match=r"block 0: offset 4 is outside the cache capacity 4"):
+        native.decoder_stack_step(f32(1, 1, D), blocks, caches, offset=4)
+    with pytest.raises(ValueError, match=r"x must be float32 \[B, 1, 32\], got \(1, 1, 16\)"):
+        native.decoder_stack_step(f32(1, 1, 16), blocks, caches, offset=0)
     with pytest.raises(ValueError, match="2 caches for 1 blocks"):
         native.decoder_stack_step(f32(1, 1, D), native.StackBlocks([block]), caches, offset=0)
     with pytest.raises(ValueError, match="activation must be silu or gelu_tanh"):
         native.StackBlocks([{**block, "activation": "relu"}])
+    # the parameters are checked once, when the blocks are prepared
+    bad = {**block, "gains": (f32(D), f32(D + 1))}
+    with pytest.raises(ValueError, match=r"block 1: post_attention_layernorm gain must be float32 of shape \(32,\)"):
+        native.StackBlocks([block, bad])
+    with pytest.raises(ValueError, match=r"block 0: down_proj must be float32 of shape \(32, 48\)"):
+        native.StackBlocks([{**block, "weights": block["weights"][:6] + [f32(D, 40)]}])
+
+
+def test_stack_parameters_are_held_and_made_contiguous():
+    # the prepared blocks keep their parameters (the caller's references may go) and read a
+    # parameter that is a strided view (here a transpose) as its row-major values
+    D, hd, G = 32, 8, 2
+    block = _stack_block(D, hd, G=G, seed=3)
+    x = mx.array(np.random.default_rng(4).standard_normal((2, 1, D)).astype(np.float32))
+
+    def step(blocks):
+        caches = [(mx.zeros((2, G, 4, hd)), mx.zeros((2, G, 4, hd))) for _ in range(2)]
+        out, written = native.decoder_stack_step(x, blocks, caches, offset=0)
+        return np.array(out), [np.array(a) for kv in written for a in kv]
+
+    want = step(native.StackBlocks([block, block]))
+    down = np.array(block["weights"][6])
+    strided = dict(block, weights=block["weights"][:6] + [mx.array(np.ascontiguousarray(down.T)).T])  # (a view)
+    held = native.StackBlocks([strided, block])
+    del strided
+    got = step(held)
+    np.testing.assert_array_equal(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(want[0]).max() > 0
+
+
+def test_stack_node_reads_only_x_and_the_caches():
+    # the parameters live in the prepared blocks, not in the graph: a step's node has the same
+    # inputs for a model of 2 blocks as of 1 more parameter-heavy block, namely x and the caches
+    D, hd, G = 32, 8, 2
+    blocks = native.StackBlocks([_stack_block(D, hd, G=G), _stack_block(D, hd, G=G, seed=1)])
+    caches = [(mx.zeros((1, G, 4, hd)), mx.zeros((1, G, 4, hd))) for _ in range(2)]
+    out, _ = native.decoder_stack_step(mx.zeros((1, 1, D)), blocks, caches, offset=0)
+    buf = io.StringIO()
+    mx.export_to_dot(buf, out)
+    dot = buf.getvalue()
+    stack = re.search(r'(\S+) \[label ="DecoderStackStep"', dot).group(1)
+    inputs = re.findall(r"(\S+) -> " + re.escape(stack), dot)
+    assert len(inputs) == 1 + 2 * 2, dot

@@ -28,6 +28,7 @@
 #include "decode_step.h"
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -36,6 +37,7 @@
 #include <array>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -399,62 +401,59 @@ class DecoderBlockStep : public DecodingPrimitive {
   BlockSpec sp_;
 };
 
-// Where block b's inputs sit among a stack step's inputs: [x, positions (with row_positions)], then
-// each block's inputs in the layout of `Input` without x and positions.
-struct StackLayout {
-  std::vector<size_t> base;  // index of block b's input kGain1
+// The parameters of a run of blocks (everything but x, the caches and the positions), checked, made
+// row-contiguous and laid out once: the stack step's node then has only x, the positions and the
+// caches as inputs (a step's graph, its dispatch and its checks are then the same size whatever the
+// model's parameter count: ~300 parameter inputs made the graph's traversal and encoding alone
+// ~1 ms a token for a 30-block model on the thread that also builds the next step).
+struct StackParams {
+  std::vector<BlockSpec> specs;                // offset and row_positions: set per step
+  std::vector<mx::array> arrays;               // held for the steps that read them
+  std::vector<std::vector<const void*>> data;  // block b's inputs in the layout of `Input` (x, caches, positions: null)
+  std::vector<std::array<int64_t, kProjections>> rows;
+  int D = 0;
 
-  StackLayout(const std::vector<BlockSpec>& specs, bool row_positions) {
-    size_t at = row_positions ? 2 : 1;
-    for (const auto& sp : specs) {
-      base.push_back(at);
-      at += static_cast<size_t>(sp.num_inputs() - 1 - (row_positions ? 1 : 0));
-    }
-    end = at;
+  int packed_size(int batch) const {
+    int n = 0;
+    for (const auto& sp : specs) n += 2 * batch * sp.kv_heads * sp.head_dim;
+    return n;
   }
-  // the stack input holding block b's input i (i != kX, i != positions)
-  size_t at(size_t b, int i) const {
-    return base[b] + static_cast<size_t>(i - 1);
-  }
-  size_t end = 0;
 };
 
 // A run of blocks, each as `DecoderBlockStep`, one after another for one new position: outputs the
 // last block's output [B, 1, D] and every block's new key and value, packed float32
 // [sum over blocks of 2 * B * Hkv * hd] (block b's keys, then its values, each [B, Hkv, hd]), which
-// `CacheColumnWrite` puts into the caches. One graph node and one task for the whole stack.
+// `CacheColumnWrite` puts into the caches. One graph node and one task for the whole stack; its
+// inputs are [x, positions (with row_positions), keys 0, values 0, keys 1, ...].
 class DecoderStackStep : public DecodingPrimitive {
  public:
-  DecoderStackStep(mx::Stream s, std::vector<BlockSpec> specs) : DecodingPrimitive(s), specs_(std::move(specs)) {}
+  DecoderStackStep(mx::Stream s, std::shared_ptr<const StackParams> params, int offset, bool row_positions)
+      : DecodingPrimitive(s), params_(std::move(params)), offset_(offset), row_positions_(row_positions) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
     auto [in, out] = encode(enc, inputs, outputs);
-    enc.dispatch([in = std::move(in), out = std::move(out), specs = specs_]() mutable {
+    enc.dispatch([in = std::move(in), out = std::move(out), p = params_, offset = offset_,
+                  row_positions = row_positions_]() mutable {
       if (in[kX].size() == 0) return;
-      const bool row_positions = specs.front().row_positions;
-      const StackLayout layout(specs, row_positions);
+      const size_t first_cache = row_positions ? 2 : 1;
       const RowMajorInputs rm(in);
       const int64_t D = in[kX].shape(-1), M = static_cast<int64_t>(in[kX].size()) / D;
       std::vector<float> ping(static_cast<size_t>(M * D)), pong(static_cast<size_t>(M * D));
       const float* x = static_cast<const float*>(rm.data[kX]);
       float* packed = out[1].data<float>();
-      for (size_t b = 0; b < specs.size(); ++b) {
-        const BlockSpec& sp = specs[b];
-        std::vector<const void*> data(static_cast<size_t>(sp.num_inputs()), nullptr);
-        for (int i = 1; i < sp.num_inputs(); ++i) {
-          if (row_positions && i == sp.positions_input()) {
-            data[i] = rm.data[1];
-          } else {
-            data[i] = rm.data[layout.at(b, i)];
-          }
-        }
+      for (size_t b = 0; b < p->specs.size(); ++b) {
+        BlockSpec sp = p->specs[b];
+        sp.offset = offset;
+        sp.row_positions = row_positions;
+        std::vector<const void*> data = p->data[b];
         data[kX] = x;
-        std::array<int64_t, kProjections> rows{};
-        for (int p = 0; p < kProjections; ++p) rows[p] = in[layout.at(b, kWeights + p)].shape(0);
-        const mx::array& keys = in[layout.at(b, kKCache)];
-        const BlockShape shape{M, D, rows[kUp], keys.shape(2)};
-        float* y = b + 1 == specs.size() ? out[0].data<float>() : (b % 2 ? pong.data() : ping.data());
+        data[kKCache] = rm.data[first_cache + 2 * b];
+        data[kVCache] = rm.data[first_cache + 2 * b + 1];
+        if (row_positions) data[sp.positions_input()] = rm.data[1];
+        const auto& rows = p->rows[b];
+        const BlockShape shape{M, D, rows[kUp], in[first_cache + 2 * b].shape(2)};
+        float* y = b + 1 == p->specs.size() ? out[0].data<float>() : (b % 2 ? pong.data() : ping.data());
         const int64_t kv = M * sp.kv_heads * sp.head_dim;
         run_block(sp, data, rows, shape, y, packed, packed + kv);
         packed += 2 * kv;
@@ -463,20 +462,16 @@ class DecoderStackStep : public DecodingPrimitive {
     });
   }
 
-  METALNN_PRIMITIVE("DecoderStackStep", specs_)
+  METALNN_PRIMITIVE("DecoderStackStep", params_, offset_, row_positions_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[kX].shape(), {packed_size(inputs[kX].shape(0))}};
-  }
-
-  int packed_size(int batch) const {
-    int n = 0;
-    for (const auto& sp : specs_) n += 2 * batch * sp.kv_heads * sp.head_dim;
-    return n;
+    return {inputs[kX].shape(), {params_->packed_size(inputs[kX].shape(0))}};
   }
 
  private:
-  std::vector<BlockSpec> specs_;
+  std::shared_ptr<const StackParams> params_;
+  int offset_;
+  bool row_positions_;
 };
 
 // A cache buffer [B, Hkv, cap, hd] with one new column written: each sequence's key (or value)
@@ -576,15 +571,12 @@ void check_spec(const BlockSpec& sp) {
     refuse("rope_dims must be even and at most head_dim, got " + std::to_string(sp.rope_dims));
 }
 
-// Checks a block's inputs; `at(i)` is input i of the layout of `Input`.
+// Checks a block's parameters for width D; `at(i)` is input i of the layout of `Input`.
 template <class At>
-void check_block_inputs(const BlockSpec& sp, const At& at) {
-  const auto& x = at(kX);
-  if (x.ndim() != 3 || x.shape(1) != 1 || x.dtype() != mx::float32)
-    refuse("x must be float32 [B, 1, D] (one new position a sequence), got " + shape_str(x.shape()));
-  const int B = x.shape(0), D = x.shape(2), hd = sp.head_dim;
+void check_block_params(const BlockSpec& sp, const At& at, int D) {
+  const int hd = sp.head_dim;
   const int nq = sp.heads * hd, nkv = sp.kv_heads * hd;
-  const int I = at(kWeights + kUp).shape(0);
+  const int I = at(kWeights + kUp).ndim() == 2 ? at(kWeights + kUp).shape(0) : 0;
   expect(at(kGain1), "input_layernorm gain", {D}, mx::float32);
   expect(at(kGain2), "post_attention_layernorm gain", {D}, mx::float32);
   const std::array<std::array<int64_t, 2>, kProjections> dims = {{{nq, D}, {nkv, D}, {nkv, D}, {D, nq}, {I, D},
@@ -593,6 +585,26 @@ void check_block_inputs(const BlockSpec& sp, const At& at) {
     expect_weight(at(kWeights + p), p, sp.types[p], dims[p][0], dims[p][1]);
     if (sp.bias[p]) expect(at(sp.bias_input(p)), kProjectionNames[p], {static_cast<int>(dims[p][0])}, mx::float32);
   }
+  expect(at(kInvFreq), "inv_freq", {sp.rope_dims / 2}, mx::float32);
+  if (sp.qk_norm) {
+    expect(at(sp.qk_norm_input()), "q_norm gain", {hd}, mx::float32);
+    expect(at(sp.qk_norm_input() + 1), "k_norm gain", {hd}, mx::float32);
+  }
+}
+
+// Checks x [B, 1, D]; returns D.
+template <class At>
+int check_x(const At& at) {
+  const auto& x = at(kX);
+  if (x.ndim() != 3 || x.shape(1) != 1 || x.dtype() != mx::float32)
+    refuse("x must be float32 [B, 1, D] (one new position a sequence), got " + shape_str(x.shape()));
+  return x.shape(2);
+}
+
+// Checks what changes from step to step: the caches (for x's batch), the offset and the positions.
+template <class At>
+void check_block_state(const BlockSpec& sp, const At& at) {
+  const int B = at(kX).shape(0), hd = sp.head_dim;
   const auto& kc = at(kKCache);
   if (kc.ndim() != 4 || kc.shape(0) != B || kc.shape(1) != sp.kv_heads || kc.shape(3) != hd || kc.dtype() != mx::float32)
     refuse("the key cache must be float32 [" + std::to_string(B) + ", " + std::to_string(sp.kv_heads) +
@@ -600,13 +612,20 @@ void check_block_inputs(const BlockSpec& sp, const At& at) {
   expect(at(kVCache), "the value cache", {kc.shape(0), kc.shape(1), kc.shape(2), kc.shape(3)}, mx::float32);
   if (sp.offset < 0 || sp.offset >= kc.shape(2))
     refuse("offset " + std::to_string(sp.offset) + " is outside the cache capacity " + std::to_string(kc.shape(2)));
-  expect(at(kInvFreq), "inv_freq", {sp.rope_dims / 2}, mx::float32);
-  if (sp.qk_norm) {
-    expect(at(sp.qk_norm_input()), "q_norm gain", {hd}, mx::float32);
-    expect(at(sp.qk_norm_input() + 1), "k_norm gain", {hd}, mx::float32);
-  }
   // (the positions' values are checked when the step runs: they are not known before)
   if (sp.row_positions) expect(at(sp.positions_input()), "positions", {B}, mx::int32);
+}
+
+// Checks a block's inputs; `at(i)` is input i of the layout of `Input`.
+template <class At>
+void check_block_inputs(const BlockSpec& sp, const At& at) {
+  check_block_params(sp, at, check_x(at));
+  check_block_state(sp, at);
+}
+
+// "[decoder_block_step] what" as "[decoder_block_step] block b: what".
+[[noreturn]] void refuse_in_block(size_t b, const std::invalid_argument& e) {
+  refuse("block " + std::to_string(b) + ": " + std::string(e.what()).substr(std::string("[decoder_block_step] ").size()));
 }
 
 std::vector<mx::array> decoder_block_step_op(const std::vector<mx::array>& inputs, const BlockSpec& sp,
@@ -625,47 +644,106 @@ std::vector<mx::array> decoder_block_step_op(const std::vector<mx::array>& input
                                 std::make_shared<DecoderBlockStep>(s, sp), inputs);
 }
 
+// A run of blocks' parameters: per block, in the layout of `Input` without x, the caches and the
+// positions: the two gains, the seven weights, inv_freq, the biases, the q and k norm gains.
+std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, std::vector<BlockSpec> specs) {
+  if (specs.empty()) refuse("a stack step needs at least one block");
+  size_t want = 0;
+  for (auto& sp : specs) {
+    check_spec(sp);
+    sp.row_positions = true;  // (the layout has room for the positions; each step sets its own)
+    want += static_cast<size_t>(sp.num_inputs() - 4);
+  }
+  if (params.size() != want)
+    refuse("expected " + std::to_string(want) + " parameter arrays for these blocks, got " + std::to_string(params.size()));
+  mx::eval(params);
+  for (auto& a : params) {
+    if (!a.flags().row_contiguous) {
+      a = mx::contiguous(a);
+      mx::eval(a);
+    }
+  }
+  auto sp_out = std::make_shared<StackParams>();
+  StackParams& out = *sp_out;
+  out.D = params[0].ndim() == 1 ? params[0].shape(0) : 0;
+  size_t at = 0;
+  for (size_t b = 0; b < specs.size(); ++b) {
+    const BlockSpec& sp = specs[b];
+    std::vector<const mx::array*> slots(static_cast<size_t>(sp.num_inputs()), nullptr);
+    for (int i = 1; i < sp.num_inputs(); ++i) {
+      if (i == kKCache || i == kVCache || i == sp.positions_input()) continue;
+      slots[i] = &params[at++];
+    }
+    try {
+      check_block_params(sp, [&](int i) -> const mx::array& { return *slots[i]; }, out.D);
+    } catch (const std::invalid_argument& e) {
+      refuse_in_block(b, e);
+    }
+    std::vector<const void*> data(slots.size(), nullptr);
+    for (size_t i = 0; i < slots.size(); ++i)
+      if (slots[i] != nullptr) data[i] = slots[i]->data<uint8_t>();
+    std::array<int64_t, kProjections> rows{};
+    for (int p = 0; p < kProjections; ++p) rows[p] = slots[kWeights + p]->shape(0);
+    out.data.push_back(std::move(data));
+    out.rows.push_back(rows);
+  }
+  out.specs = std::move(specs);
+  out.arrays = std::move(params);
+  return sp_out;
+}
+
+// What Python holds of a `StackParams` (the steps' nodes share it).
+struct StackParamsHandle {
+  std::shared_ptr<const StackParams> params;
+};
+
 // The stack step and its cache writes: [out, block 0's new keys buffer, its values buffer, block 1's
-// keys, ...] (see `DecoderStackStep`).
-std::vector<mx::array> decoder_stack_step_op(const std::vector<mx::array>& inputs, const std::vector<BlockSpec>& specs,
+// keys, ...] (see `DecoderStackStep`); caches: [keys 0, values 0, keys 1, ...].
+std::vector<mx::array> decoder_stack_step_op(const mx::array& x, const std::optional<mx::array>& positions,
+                                             const std::vector<mx::array>& caches,
+                                             const std::shared_ptr<const StackParams>& params, int offset,
                                              mx::StreamOrDevice sd) {
   auto s = mx::to_stream(sd);
   if (s.device != mx::Device::cpu) refuse("runs on CPU streams only");
-  if (specs.empty()) refuse("a stack step needs at least one block");
-  const bool row_positions = specs.front().row_positions;
-  const StackLayout layout(specs, row_positions);
-  if (inputs.size() != layout.end)
-    refuse("expected " + std::to_string(layout.end) + " input arrays for these blocks, got " +
-           std::to_string(inputs.size()));
-  for (size_t b = 0; b < specs.size(); ++b) {
-    const BlockSpec& sp = specs[b];
-    check_spec(sp);
-    if (sp.offset != specs.front().offset || sp.row_positions != row_positions)
-      refuse("every block of a stack step decodes the same position");
+  const bool row_positions = positions.has_value();
+  const size_t n = params->specs.size();
+  if (caches.size() != 2 * n)
+    refuse("expected " + std::to_string(2 * n) + " cache buffers (keys and values of " + std::to_string(n) +
+           " blocks), got " + std::to_string(caches.size()));
+  const int D = check_x([&](int) -> const mx::array& { return x; });
+  if (D != params->D) refuse("x must be float32 [B, 1, " + std::to_string(params->D) + "], got " + shape_str(x.shape()));
+  for (size_t b = 0; b < n; ++b) {
+    BlockSpec sp = params->specs[b];
+    sp.offset = offset;
+    sp.row_positions = row_positions;
     try {
-      check_block_inputs(sp, [&](int i) -> const mx::array& {
-        if (i == kX) return inputs[kX];
-        if (row_positions && i == sp.positions_input()) return inputs[1];
-        return inputs[layout.at(b, i)];
+      check_block_state(sp, [&](int i) -> const mx::array& {
+        if (i == kKCache) return caches[2 * b];
+        if (i == kVCache) return caches[2 * b + 1];
+        if (i == kX) return x;
+        return *positions;
       });
     } catch (const std::invalid_argument& e) {
-      refuse("block " + std::to_string(b) + ": " + std::string(e.what()).substr(std::string("[decoder_block_step] ").size()));
+      refuse_in_block(b, e);
     }
   }
-  const auto& x = inputs[kX];
-  auto stack = std::make_shared<DecoderStackStep>(s, specs);
+  std::vector<mx::array> inputs = {x};
+  if (row_positions) inputs.push_back(*positions);
+  inputs.insert(inputs.end(), caches.begin(), caches.end());
+  auto stack = std::make_shared<DecoderStackStep>(s, params, offset, row_positions);
   const int B = x.shape(0);
-  auto outs = mx::array::make_arrays({x.shape(), {stack->packed_size(B)}}, {mx::float32, mx::float32}, stack, inputs);
+  auto outs = mx::array::make_arrays({x.shape(), {params->packed_size(B)}}, {mx::float32, mx::float32}, stack,
+                                     inputs);
   std::vector<mx::array> result = {outs[0]};
   int64_t start = 0;
-  for (size_t b = 0; b < specs.size(); ++b) {
-    const int64_t kv = int64_t(B) * specs[b].kv_heads * specs[b].head_dim;
+  for (size_t b = 0; b < n; ++b) {
+    const int64_t kv = int64_t(B) * params->specs[b].kv_heads * params->specs[b].head_dim;
     for (int which = 0; which < 2; ++which) {
-      const mx::array& cache = inputs[layout.at(b, which ? kVCache : kKCache)];
+      const mx::array& cache = caches[2 * b + which];
       std::vector<mx::array> write_inputs = {cache, outs[1]};
-      if (row_positions) write_inputs.push_back(inputs[1]);
+      if (row_positions) write_inputs.push_back(*positions);
       result.push_back(mx::array(cache.shape(), mx::float32,
-                                 std::make_shared<CacheColumnWrite>(s, start, specs.front().offset, row_positions),
+                                 std::make_shared<CacheColumnWrite>(s, start, offset, row_positions),
                                  std::move(write_inputs)));
       start += kv;
     }
@@ -739,24 +817,36 @@ void register_decode_step(nb::module_& m) {
       "One Llama-family decoder block for one new position a sequence: [out, new key, new value] "
       "(see metalnn/cpu/decode_step.py for the inputs).");
 
+  nb::class_<StackParamsHandle>(m, "StackParams",
+                          "A run of decoder blocks' parameters for decoder_stack_step, checked and held "
+                          "(see metalnn/cpu/decode_step.py).")
+      .def(
+          "__init__",
+          [](StackParamsHandle* self, const std::vector<mx::array>& params, const std::vector<int>& ints,
+             const std::vector<float>& floats) {
+            if (ints.empty() || ints.size() % kSpecInts || floats.size() * kSpecInts != ints.size() * kSpecFloats)
+              refuse("ints and floats must hold " + std::to_string(kSpecInts) + " and " +
+                     std::to_string(kSpecFloats) + " numbers a block");
+            std::vector<BlockSpec> specs;
+            for (size_t b = 0; b < ints.size() / kSpecInts; ++b)
+              specs.push_back(spec_from(ints.data() + b * kSpecInts, floats.data() + b * kSpecFloats, 0, false));
+            new (self) StackParamsHandle{make_stack_params(params, std::move(specs))};
+          },
+          nb::arg("params"), nb::arg("ints"), nb::arg("floats"))
+      .def("__len__", [](const StackParamsHandle& h) { return h.params->specs.size(); });
+
   m.def(
       "decoder_stack_step",
-      [](const std::vector<mx::array>& inputs, const std::vector<int>& ints, const std::vector<float>& floats,
-         int offset, bool row_positions, mx::StreamOrDevice s) {
-        if (ints.empty() || ints.size() % kSpecInts || floats.size() * kSpecInts != ints.size() * kSpecFloats)
-          refuse("ints and floats must hold " + std::to_string(kSpecInts) + " and " + std::to_string(kSpecFloats) +
-                 " numbers a block");
-        std::vector<BlockSpec> specs;
-        for (size_t b = 0; b < ints.size() / kSpecInts; ++b)
-          specs.push_back(spec_from(ints.data() + b * kSpecInts, floats.data() + b * kSpecFloats, offset, row_positions));
-        return decoder_stack_step_op(inputs, specs, s);
+      [](const mx::array& x, const std::vector<mx::array>& caches, const StackParamsHandle& params, int offset,
+         std::optional<mx::array> positions, mx::StreamOrDevice s) {
+        return decoder_stack_step_op(x, positions, caches, params.params, offset, s);
       },
-      nb::arg("inputs"),
-      nb::arg("ints"),
-      nb::arg("floats"),
+      nb::arg("x"),
+      nb::arg("caches"),
+      nb::arg("params"),
       nb::kw_only(),
       nb::arg("offset"),
-      nb::arg("row_positions") = false,
+      nb::arg("positions") = nb::none(),
       nb::arg("stream") = nb::none(),
       "Consecutive decoder blocks, each as decoder_block_step, as one node, and the caches with the "
       "new position written: [out, keys 0, values 0, keys 1, ...] (see metalnn/cpu/decode_step.py).");
