@@ -186,15 +186,14 @@ def decoder_stack_step(x, steps, caches, device=None):
     if not steps or len(steps) != len(caches) or not _runs_natively(x, steps[0], caches[0].keys, device):
         return None
     first = caches[0]
-    ragged = getattr(first, "ragged", False)
-    offset = first.offset
-    for c in caches:
-        if type(c) is not type(first) or c.offset != offset:
-            return None
-        if ragged and c.lengths != first.lengths:
-            return None
-        if c.keys is not None and c.keys.dtype != mx.float32:
-            return None
+    kind, offset, lengths = type(first), first.offset, getattr(first, "lengths", None)
+    if lengths is not None:  # (a `BatchKVCache`: the same row lengths, hence the same offset)
+        same = all(type(c) is kind and c.lengths == lengths for c in caches)
+    else:
+        same = all(type(c) is kind and c.offset == offset for c in caches)
+    if not same or any(c.keys is not None and c.keys.dtype != mx.float32 for c in caches):
+        return None
+    ragged = lengths is not None and first.ragged
     blocks = _stack_blocks(steps)
     if blocks is None:
         return None

@@ -103,12 +103,13 @@ class BatchKVCache(KVCache):
 
     def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype, value_dim: int | None = None):
         """The buffers with room for ``t`` more positions after the longest row (see `KVCache`)."""
-        if self.keys is None or self.offset + t > self.keys.shape[2]:
-            shape = (batch, kv_heads, _capacity(self.offset + t), head_dim)
+        prev = self.offset
+        if self.keys is None or prev + t > self.keys.shape[2]:
+            shape = (batch, kv_heads, _capacity(prev + t), head_dim)
             nk, nv = mx.zeros(shape, dtype), mx.zeros(shape[:3] + (value_dim or head_dim,), dtype)
-            if self.keys is not None and self.offset:
-                nk[..., :self.offset, :] = self.keys[..., :self.offset, :]
-                nv[..., :self.offset, :] = self.values[..., :self.offset, :]
+            if self.keys is not None and prev:
+                nk[..., :prev, :] = self.keys[..., :prev, :]
+                nv[..., :prev, :] = self.values[..., :prev, :]
             self.keys, self.values = nk, nv
         return self.keys, self.values
 

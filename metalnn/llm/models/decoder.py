@@ -13,7 +13,7 @@ from ... import init as initializers
 from ...data import Data
 from ...errors import UnsupportedConfigError
 from ...layers.attention import KVCache
-from ...layers.base import Layer
+from ...layers.base import Layer, parameter_epoch
 from ...layers.batch_cache import BatchKVCache
 from ...layers.embedding import Embedding
 from ...layers.linear import Linear
@@ -65,18 +65,29 @@ class DecoderStack(Layer):
         """One decoding position through every block as one fused node
         (`metalnn.functional.decoder_stack_step`) when each block is a fused-step `DecoderBlock` with a
         `KVCache` (or `BatchKVCache`); None otherwise (the blocks then run one by one)."""
-        if len(cache) != len(self.layers):
+        if len(cache) != len(self.layers) or type(cache[0]) not in (KVCache, BatchKVCache):
+            return None  # (decoder_stack_step checks that every cache is of the first one's class)
+        steps = self._step_plans()
+        if steps is None:
             return None
-        steps = []
-        for layer, c in zip(self.layers, cache):
-            plan_of = getattr(layer, "fused_step_plan", None)
-            if plan_of is None or type(c) not in (KVCache, BatchKVCache):
-                return None
-            plan = plan_of()
-            if plan is None:
-                return None
-            steps.append(plan)
         return F.decoder_stack_step(h.array, steps, cache, device=device)
+
+    def _step_plans(self):
+        """Every block's `fused_step_plan`, or None when a block has none; kept until a parameter or a
+        block's training mode changes (a decoding step then asks once, not once a block)."""
+        key = (parameter_epoch(), tuple(layer.training for layer in self.layers))
+        cached = self.__dict__.get("_step_plans_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        plans = []
+        for layer in self.layers:
+            plan_of = getattr(layer, "fused_step_plan", None)
+            plan = plan_of() if plan_of is not None else None
+            if plan is None:  # (not kept: a block that is not built yet has a plan after its first call)
+                return None
+            plans.append(plan)
+        object.__setattr__(self, "_step_plans_cache", (key, plans))  # (outside the module's parameter tree)
+        return plans
 
 
 def build_decoder(lm, args, make_layer, *, eps: float | None = None, norm_offset: float = 0.0):
