@@ -390,8 +390,8 @@ def test_stack_parameters_are_held_and_made_contiguous():
 
 
 def test_stack_node_reads_only_x_and_the_caches():
-    # the parameters live in the prepared blocks, not in the graph: a step's node has the same
-    # inputs for a model of 2 blocks as of 1 more parameter-heavy block, namely x and the caches
+    # the parameters live in the prepared blocks, not in the graph: a step's node reads x and each
+    # block's two cache buffers only (before: also every block's ~12 parameters)
     D, hd, G = 32, 8, 2
     blocks = native.StackBlocks([_stack_block(D, hd, G=G), _stack_block(D, hd, G=G, seed=1)])
     caches = [(mx.zeros((1, G, 4, hd)), mx.zeros((1, G, 4, hd))) for _ in range(2)]
