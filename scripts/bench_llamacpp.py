@@ -139,8 +139,7 @@ def main(argv=None):
                   f"{mn_pp:.1f} decode {mn_tg:.1f} (int8 inputs {mn_tg8:.1f}) tokens/s{depth}; {common.load_line()}",
                   flush=True)
         med = [statistics.median(m[i] for m in measured) if measured[0][i] is not None else None for i in range(7)]
-        spread = [(min(m[4] / m[1] for m in measured), max(m[4] / m[1] for m in measured)),
-                  (min(m[5] / m[1] for m in measured), max(m[5] / m[1] for m in measured))]
+        spread = [(min(r), max(r)) for r in ([m[i] / m[1] for m in measured] for i in (4, 5))]  # decode ratios
         rows.append((t, files[t].stat().st_size, med[1], med[4], med[5], med[0], med[3], med[2], med[6], spread))
 
     print(f"\nllama.cpp {common.llamacpp_version(args.llamacpp)} ({args.threads} threads); metalnn "

@@ -593,9 +593,7 @@ void check_block_params(const BlockSpec& sp, const At& at, int D) {
 }
 
 // Checks x [B, 1, D]; returns D.
-template <class At>
-int check_x(const At& at) {
-  const auto& x = at(kX);
+int check_x(const mx::array& x) {
   if (x.ndim() != 3 || x.shape(1) != 1 || x.dtype() != mx::float32)
     refuse("x must be float32 [B, 1, D] (one new position a sequence), got " + shape_str(x.shape()));
   return x.shape(2);
@@ -619,7 +617,7 @@ void check_block_state(const BlockSpec& sp, const At& at) {
 // Checks a block's inputs; `at(i)` is input i of the layout of `Input`.
 template <class At>
 void check_block_inputs(const BlockSpec& sp, const At& at) {
-  check_block_params(sp, at, check_x(at));
+  check_block_params(sp, at, check_x(at(kX)));
   check_block_state(sp, at);
 }
 
@@ -652,7 +650,7 @@ std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, st
   for (auto& sp : specs) {
     check_spec(sp);
     sp.row_positions = true;  // (the layout has room for the positions; each step sets its own)
-    want += static_cast<size_t>(sp.num_inputs() - 4);
+    want += static_cast<size_t>(sp.num_inputs() - 4);  // (all but x, the two caches and the positions)
   }
   if (params.size() != want)
     refuse("expected " + std::to_string(want) + " parameter arrays for these blocks, got " + std::to_string(params.size()));
@@ -663,8 +661,8 @@ std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, st
       mx::eval(a);
     }
   }
-  auto sp_out = std::make_shared<StackParams>();
-  StackParams& out = *sp_out;
+  auto made = std::make_shared<StackParams>();
+  StackParams& out = *made;
   out.D = params[0].ndim() == 1 ? params[0].shape(0) : 0;
   size_t at = 0;
   for (size_t b = 0; b < specs.size(); ++b) {
@@ -689,7 +687,7 @@ std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, st
   }
   out.specs = std::move(specs);
   out.arrays = std::move(params);
-  return sp_out;
+  return made;
 }
 
 // What Python holds of a `StackParams` (the steps' nodes share it).
@@ -710,7 +708,7 @@ std::vector<mx::array> decoder_stack_step_op(const mx::array& x, const std::opti
   if (caches.size() != 2 * n)
     refuse("expected " + std::to_string(2 * n) + " cache buffers (keys and values of " + std::to_string(n) +
            " blocks), got " + std::to_string(caches.size()));
-  const int D = check_x([&](int) -> const mx::array& { return x; });
+  const int D = check_x(x);
   if (D != params->D) refuse("x must be float32 [B, 1, " + std::to_string(params->D) + "], got " + shape_str(x.shape()));
   for (size_t b = 0; b < n; ++b) {
     BlockSpec sp = params->specs[b];
