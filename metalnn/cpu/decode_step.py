@@ -15,9 +15,10 @@ and the products that read the same input run as one multi-threaded pass (built 
 `metalnn.cpu.ggml`) or float32 ``[N, K]``. Inference only (no gradient).
 
 ``decoder_stack_step`` runs consecutive blocks (prepared once as `StackBlocks`) the same way as one
-node, and writes each block's new key and value into its cache buffers (one node a buffer, in place
-when nothing else holds the buffer): for a decoding model a single node and 2 x layers small writes
-a token, instead of a node, two outputs and two slice updates a block.
+node over one cache buffer for the whole stack (``[blocks, 2, B, Hkv, capacity, head_dim]``), and
+writes every block's new key and value into it with one more node (in place when nothing else holds
+the buffer): for a decoding model two nodes a token, instead of a node, two outputs and two slice
+updates a block.
 
 Use them through `metalnn.functional.decoder_block_step` and `decoder_stack_step`, which decide
 when they apply.
@@ -100,12 +101,16 @@ class StackBlocks:
             ``inv_freq``, ``heads``, ``kv_heads``, ``head_dim``, ``rope_dims``, ``rope_traditional``,
             ``rope_scale``, ``attn_scale``, ``eps``, and optionally ``qk_gains``, ``qk_eps``,
             ``window``, ``activation``.
+        head: the final RMSNorm and output head after the last block, or None (the step then
+            outputs the last block's output): a dict of ``gain`` (float32 ``[D]``), ``eps``,
+            ``weight`` (``[vocab, D]``: packed GGML rows, or float32) and ``type`` (its GGML type
+            id, -1 for float32); the step then outputs logits ``[B, 1, vocab]``.
     Raises:
         ValueError: a parameter of the wrong shape or dtype (the message names the block and the
-            parameter) or an unknown activation.
+            parameter, or the output head) or an unknown activation.
     """
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, head: dict | None = None):
         ints, floats, params = [], [], []
         for b in blocks:
             activation = b.get("activation", "silu")
@@ -121,28 +126,34 @@ class StackBlocks:
             params += [x for x in biases if x is not None]
             if qk is not None:
                 params += list(qk)
-        self.params = _ext.StackParams(params, ints, floats)
+        options = {}
+        if head is not None:
+            options = dict(head_gain=head["gain"], head_weight=head["weight"], head_type=int(head["type"]),
+                           head_eps=float(head["eps"]))
+        self.params = _ext.StackParams(params, ints, floats, **options)
+        self.has_head = head is not None
 
     def __len__(self):
         return len(self.params)
 
 
-def decoder_stack_step(x, blocks: StackBlocks, caches, *, offset: int, positions=None, stream=None):
+def decoder_stack_step(x, blocks: StackBlocks, cache, *, offset: int, positions=None, stream=None):
     """The blocks of ``blocks`` one after the other, each as `decoder_block_step`, for ``x``
-    ``[B, 1, D]``, as one native node, and each block's new key and value written into its cache
-    buffers at the new position (in place when nothing else holds a buffer, else into a copy).
+    ``[B, 1, D]``, as one native node, and every block's new key and value written into the stack's
+    cache at the new position by one more node (in place when nothing else holds the buffer, else
+    into a copy).
 
     Args:
-        caches: one ``(keys, values)`` a block, float32 ``[B, kv_heads, capacity, head_dim]``.
+        cache: every block's keys and values in one float32 buffer
+            ``[blocks, 2, B, kv_heads, capacity, head_dim]`` (``cache[b, 0]``: block b's keys; the
+            blocks must share ``kv_heads`` and ``head_dim``).
         offset, positions: the new position, as `decoder_block_step` (the same for every block).
     Returns:
-        ``(out, new_caches)``: the last block's output ``[B, 1, D]`` and one ``(keys, values)`` a
-        block, the buffers with the new position written.
+        ``(out, new_cache)``: the last block's output ``[B, 1, D]`` (the logits ``[B, 1, vocab]``
+        when ``blocks`` has a head) and the cache buffer with the new position written.
     Raises:
-        ValueError: an input of the wrong shape or dtype (the message names the block and input).
+        ValueError: an input of the wrong shape or dtype (the message names the block or input).
     """
-    if len(caches) != len(blocks):
-        raise ValueError(f"decoder_stack_step: {len(caches)} caches for {len(blocks)} blocks")
-    outs = _ext.decoder_stack_step(x, [a for kv in caches for a in kv], blocks.params, offset=int(offset),
-                                   positions=positions, stream=stream)
-    return outs[0], list(zip(outs[1::2], outs[2::2]))
+    out, written = _ext.decoder_stack_step(x, cache, blocks.params, offset=int(offset), positions=positions,
+                                           stream=stream)
+    return out, written

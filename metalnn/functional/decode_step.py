@@ -26,7 +26,7 @@ from ..cpu.device import on_cpu
 from ..device import resolve
 from ..kernels.op_math import rope_frequencies
 
-__all__ = ["BlockStep", "decoder_block_step", "decoder_stack_step"]
+__all__ = ["BlockStep", "StackCache", "StackHead", "decoder_block_step", "decoder_stack_step"]
 
 _ACTIVATIONS = native.ACTIVATIONS
 
@@ -67,6 +67,32 @@ class BlockStep:
     activation: str
     #: what depends on the plan only, worked out at its first step (see `_prepared`)
     prepared: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass(eq=False)
+class StackHead:
+    """The final RMSNorm and output head a decoding stack's fused step can end with (its output is
+    then the logits).
+
+    Attributes:
+        gain: the final RMSNorm's gain ``[D]`` (weight + offset); eps: its epsilon.
+        weight: the head ``[vocab, D]`` (packed GGML rows, or float32); type_id: its GGML type id
+            (-1: float32).
+    """
+
+    gain: mx.array
+    eps: float
+    weight: mx.array
+    type_id: int
+
+    def runs_natively(self) -> bool:
+        """Whether the native step takes it: a float32 gain and a float32 or natively supported
+        GGML weight."""
+        if self.gain.dtype != mx.float32:
+            return False
+        if self.type_id == -1:
+            return self.weight.dtype == mx.float32
+        return self.weight.dtype == mx.uint8 and self.type_id in cpu_ggml.native_type_ids()
 
 
 _INV_FREQ = {}
@@ -151,56 +177,116 @@ def decoder_block_step(x, step: BlockStep, cache, device=None):
     return out
 
 
-def _stack_blocks(steps) -> native.StackBlocks | None:
-    """The plans' native stack arguments, worked out once per list of plans (kept with the first
-    plan); None when a plan's parameters do not run natively."""
+def _stack_blocks(steps, head: StackHead | None) -> native.StackBlocks | None:
+    """The plans' native stack arguments (and the head's), worked out once per list of plans and
+    head (kept with the first plan); None when a plan's parameters or the head do not run natively."""
     p = steps[0].prepared
     cached = p.get("stack")
-    if cached is not None and len(cached[0]) == len(steps) and all(a is b for a, b in zip(cached[0], steps)):
+    if (cached is not None and cached[2] is head and len(cached[0]) == len(steps)
+            and all(a is b for a, b in zip(cached[0], steps))):
         return cached[1]
     prepared = [_prepared(s) for s in steps]
     blocks = None
-    if all(q["ok"] for q in prepared):
+    if all(q["ok"] for q in prepared) and (head is None or head.runs_natively()):
         blocks = native.StackBlocks([
             dict(gains=s.gains, weights=q["weights"], types=q["types"], biases=q["biases"], inv_freq=q["inv_freq"],
                  heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, rope_dims=s.rope_dims,
                  rope_traditional=s.rope_traditional, rope_scale=s.rope_scale, attn_scale=q["scale"], eps=s.eps,
                  qk_gains=s.qk_gains, qk_eps=s.qk_eps, window=s.window, activation=s.activation)
-            for s, q in zip(steps, prepared)])
-    p["stack"] = (tuple(steps), blocks)
+            for s, q in zip(steps, prepared)],
+            head=None if head is None else dict(gain=head.gain, eps=head.eps, weight=head.weight, type=head.type_id))
+    p["stack"] = (tuple(steps), blocks, head)
     return blocks
 
 
-def decoder_stack_step(x, steps, caches, device=None):
+class StackCache:
+    """Every block's keys and values of a decoding stack in one buffer ``buffer``
+    ``[blocks, 2, B, kv_heads, capacity, head_dim]`` (float32), to which the blocks' caches are
+    bound (`metalnn.layers.KVCache.bind`; ``keys(i)`` / ``values(i)``: block i's). One buffer lets one
+    graph node a token write every block's new key and value (`decoder_stack_step`)."""
+
+    def __init__(self, caches, buffer):
+        self.caches = tuple(caches)
+        self.buffer = buffer
+        for i, c in enumerate(self.caches):
+            c.bind(self, i)
+
+    def keys(self, slot: int):
+        return self.buffer[slot, 0]
+
+    def values(self, slot: int):
+        return self.buffer[slot, 1]
+
+    def holds(self, caches, batch: int, positions: int) -> bool:
+        """Whether ``caches`` are this store's (in its order, all still bound), for ``batch`` rows and
+        with room for ``positions`` positions."""
+        shape = self.buffer.shape
+        return (shape[2] == batch and shape[4] >= positions and len(caches) == len(self.caches)
+                and all(c is d and c.store is self for c, d in zip(caches, self.caches)))
+
+    @classmethod
+    def gather(cls, caches, batch: int, kv_heads: int, head_dim: int, capacity: int) -> "StackCache":
+        """A store of ``capacity`` positions holding what ``caches`` hold (their columns before the
+        first cache's ``offset``, the longest row's length), the caches bound to it.
+
+        Raises:
+            ValueError: a cache holding keys or values of another batch size, head count or width.
+        """
+        n = caches[0].offset
+        slabs = []
+        for i, c in enumerate(caches):
+            for name, a in (("keys", c.keys), ("values", c.values)):
+                if a is None or n == 0:
+                    slabs.append(mx.zeros((batch, kv_heads, capacity, head_dim), mx.float32))
+                    continue
+                if a.ndim != 4 or a.shape[:2] != (batch, kv_heads) or a.shape[3] != head_dim or a.shape[2] < n:
+                    raise ValueError(f"decoder_stack_step: block {i}'s cache holds {name} of shape {tuple(a.shape)}, "
+                                     f"expected [{batch}, {kv_heads}, at least {n}, {head_dim}]")
+                slabs.append(mx.pad(a[..., :n, :].astype(mx.float32), [(0, 0), (0, 0), (0, capacity - n), (0, 0)]))
+        buffer = mx.stack(slabs).reshape(len(caches), 2, batch, kv_heads, capacity, head_dim)
+        return cls(caches, buffer)
+
+
+def _uniform_layout(steps) -> bool:
+    first = steps[0]
+    return all(s.kv_heads == first.kv_heads and s.head_dim == first.head_dim for s in steps)
+
+
+def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = None):
     """Consecutive blocks (``steps``, one `BlockStep` each) for ``x`` ``[B, 1, D]``, each with its
     cache (``caches``: one `metalnn.layers.KVCache` or `metalnn.layers.BatchKVCache` a block, all of
     one class and at the same positions; each is appended to), as one fused native node; returns
-    the last block's output ``[B, 1, D]``, or None (nothing done, the caches untouched) when the fused
-    step does not apply to all of them (see the module docstring; the caller then runs the blocks
-    one by one).
+    the last block's output ``[B, 1, D]`` (with ``head``: the logits ``[B, 1, vocab]`` of the final
+    norm and head after it), or None (nothing done, the caches untouched) when the fused step does
+    not apply to all of them or to the head (see the module docstring; the caller then runs the
+    blocks one by one).
 
     The same as `decoder_block_step` block after block, with one graph node for the whole stack and
-    the new keys and values written into the cache buffers in place (a decoding step of a small
-    model is otherwise bound by the graph's size: its building in Python and its dispatch)."""
+    one more that writes the new keys and values into the caches, kept together in one buffer
+    (`StackCache`, in place: a decoding step of a small model is otherwise bound by the graph's
+    size, its building in Python and its dispatch)."""
     device = resolve(device)
-    if not steps or len(steps) != len(caches) or not _runs_natively(x, steps[0], caches[0].keys, device):
+    if not steps or len(steps) != len(caches) or not _runs_natively(x, steps[0], None, device):
         return None
-    first = caches[0]
+    first, b = caches[0], x.shape[0]
     kind, offset, lengths = type(first), first.offset, getattr(first, "lengths", None)
     if lengths is not None:  # (a `BatchKVCache`: the same row lengths, hence the same offset)
         same = all(type(c) is kind and c.lengths == lengths for c in caches)
     else:
         same = all(type(c) is kind and c.offset == offset for c in caches)
-    if not same or any(c.keys is not None and c.keys.dtype != mx.float32 for c in caches):
+    if not same or not _uniform_layout(steps):
         return None
-    ragged = lengths is not None and first.ragged
-    blocks = _stack_blocks(steps)
+    blocks = _stack_blocks(steps, head)
     if blocks is None:
         return None
-    b = x.shape[0]
-    buffers = [c.buffers_for(b, s.kv_heads, s.head_dim, 1, mx.float32) for c, s in zip(caches, steps)]
-    out, written = native.decoder_stack_step(x, blocks, buffers, offset=offset,
-                                             positions=first.positions if ragged else None)
-    for c, (keys, values) in zip(caches, written):
-        c.advance(keys, values, 1)
+    store = first.store
+    if not (isinstance(store, StackCache) and store.holds(caches, b, offset + 1)):
+        if any(c.keys is not None and c.keys.dtype != mx.float32 for c in caches):
+            return None
+        store = StackCache.gather(caches, b, steps[0].kv_heads, steps[0].head_dim, first.capacity(offset + 1))
+    ragged = lengths is not None and first.ragged
+    out, store.buffer = native.decoder_stack_step(x, blocks, store.buffer, offset=offset,
+                                                  positions=first.positions if ragged else None)
+    for c in caches:
+        c.count_written(1)
     return out

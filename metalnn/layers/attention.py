@@ -31,15 +31,65 @@ class KVCache:
     least ``first``, so a short generation does not hold 256 positions) and new entries are
     written in place, so appending one token does not copy the whole cache. ``offset`` is the
     number of cached positions (the position of the next token).
+
+    ``keys`` / ``values`` (``[B, Hkv, capacity, head_dim]``) are the cache's own buffers. The fused
+    decoding step of a whole stack of blocks instead keeps every layer's keys and values in one
+    buffer, written by one graph node a token, and `bind` s the caches to it; reading or assigning
+    ``keys`` or ``values`` ends the binding (the cache then owns views of what it held, so code that
+    updates them in place updates the cache).
     """
 
     step = 256
     first = 16
 
     def __init__(self):
-        self.keys = None
-        self.values = None
+        self._store = None
+        self._slot = 0
+        self._keys = None
+        self._values = None
         self.offset = 0
+
+    @property
+    def keys(self):
+        if self._store is not None:
+            self.unbind()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value):
+        self.unbind()
+        self._keys = value
+
+    @property
+    def values(self):
+        if self._store is not None:
+            self.unbind()
+        return self._values
+
+    @values.setter
+    def values(self, value):
+        self.unbind()
+        self._values = value
+
+    @property
+    def store(self):
+        """The shared buffer this cache is bound to (see `bind`), or None."""
+        return self._store
+
+    def bind(self, store, slot: int):
+        """Keep this cache's keys and values in ``store`` until `unbind`: ``store.keys(slot)`` and
+        ``store.values(slot)`` give them (``[B, Hkv, capacity, head_dim]``; ``store`` holds what the
+        cache held, its own buffers are dropped). The owner of ``store`` writes new positions there
+        and counts them with `count_written`; `offset` and the lengths stay the cache's."""
+        self._store, self._slot = store, int(slot)
+        self._keys = self._values = None
+
+    def unbind(self):
+        """End a `bind`: the cache takes views of its keys and values in the store as its own buffers."""
+        store = self._store
+        if store is not None:
+            self._store = None
+            self._keys, self._values = store.keys(self._slot), store.values(self._slot)
 
     def buffers_for(self, batch: int, kv_heads: int, head_dim: int, t: int, dtype, value_dim: int | None = None):
         """The key and value buffers ``[batch, kv_heads, capacity, head_dim]`` with room for ``t`` more
@@ -68,6 +118,11 @@ class KVCache:
         """Take ``keys`` / ``values`` (the buffers of `buffers_for` with ``t`` new positions written
         after ``offset``) as the cache."""
         self.keys, self.values = keys, values
+        self.count_written(t)
+
+    def count_written(self, t: int):
+        """Count ``t`` new positions written after ``offset`` into the buffers in place (a bound
+        cache's store, see `bind`)."""
         self.offset += t
 
     def update_and_fetch(self, k, v):

@@ -113,10 +113,18 @@ class BatchKVCache(KVCache):
             self.keys, self.values = nk, nv
         return self.keys, self.values
 
+    def capacity(self, n: int) -> int:
+        """Room for ``n`` positions: a multiple of ``KVCache.step`` above ``n``."""
+        return _capacity(n)
+
     def advance(self, keys, values, t: int):
         """Take ``keys`` / ``values`` (the buffers of `buffers_for` with ``t`` new positions written
         after each row's positions) as the cache."""
         self.keys, self.values = keys, values
+        self.count_written(t)
+
+    def count_written(self, t: int):
+        """Count ``t`` new positions written after each row's positions (in place, see `KVCache`)."""
         self._before = list(self.lengths)
         self.lengths = [n + t for n in self.lengths]
 

@@ -15,7 +15,8 @@ from ..data import Data
 from .attention import KVCache, SelfAttention
 from .base import Layer, parameter_epoch
 from .dropout import Dropout
-from .ggml import GGMLLinear
+from .embedding import Embedding
+from .ggml import GGMLEmbedding, GGMLLinear
 from .linear import Linear
 from .mlp import MLP, SwiGLU
 from .norm import RMSNorm
@@ -38,11 +39,26 @@ def _projection(layer):
     return (w, -1, bias) if w.dtype == mx.float32 else None
 
 
-def _gain(norm):
-    """The RMSNorm's gain ``weight + offset``, or None for a norm the fused step cannot run."""
+def step_gain(norm):
+    """The RMSNorm's gain ``weight + offset`` as the fused decoding step takes it, or None for a
+    norm the fused step cannot run."""
     if type(norm) is not RMSNorm or not norm.affine:
         return None
     return norm["weight"] + norm.offset if norm.offset else norm["weight"]
+
+
+def step_head(layer):
+    """``(weight [vocab, D], GGUF type id or -1 for float32)`` of an output head the fused decoding
+    step can end with: a projection without bias (as `_projection` takes it) or a token table used
+    as the head (tied embeddings: a float32 `Embedding`, a `GGMLEmbedding`); else None."""
+    kind = type(layer)
+    if kind is GGMLEmbedding:
+        return layer["weight"], layer.qtype.type_id
+    if kind is Embedding:
+        w = layer["weight"]
+        return (w, -1) if w.dtype == mx.float32 else None
+    p = _projection(layer)
+    return None if p is None or p[2] is not None else p[:2]
 
 
 class DecoderBlock(Layer):
@@ -111,7 +127,7 @@ class DecoderBlock(Layer):
         if isinstance(dropout, Dropout) and dropout.p and dropout.training:
             return None
         norm1, norm2 = self["input_layernorm"], self["post_attention_layernorm"]
-        gains = (_gain(norm1), _gain(norm2))
+        gains = (step_gain(norm1), step_gain(norm2))
         if gains[0] is None or gains[1] is None or norm1.eps != norm2.eps:
             return None
         projections = tuple(_projection(p) for p in (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"],
@@ -120,7 +136,7 @@ class DecoderBlock(Layer):
             return None
         qk_gains = None
         if attn.qk_norm:
-            qk_gains = (_gain(attn["q_norm"]), _gain(attn["k_norm"]))
+            qk_gains = (step_gain(attn["q_norm"]), step_gain(attn["k_norm"]))
             if qk_gains[0] is None or qk_gains[1] is None:
                 return None
         return F.BlockStep(

@@ -54,7 +54,7 @@ def _arrays():
         # a decoder block: width 16, 2 query heads and 1 key/value head of 8, MLP width 24, cache of 4
         "bx": a(1, 1, 16), "w16b": a(16), "wq16": a(16, 16), "wk8": a(8, 16), "wv8": a(8, 16), "wo16": a(16, 16),
         "wg24": a(24, 16), "wu24": a(24, 16), "wd16": a(16, 24), "kc": a(1, 1, 4, 8), "vc": a(1, 1, 4, 8),
-        "inv4": mx.abs(a(4)),
+        "inv4": mx.abs(a(4)), "sc": a(1, 2, 1, 1, 4, 8),  # (the stack's cache of that one block)
         # causal attention q [1, 2, 8, 32] over 1 key/value head (output [1, 8, 2, 32]); gated delta [B 1, T 6, H 2, K 8, V 8]
         "aq": a(1, 2, 8, 32), "ak": a(1, 1, 8, 32), "av": a(1, 1, 8, 32), "ag": a(1, 8, 2, 32),
         "dq": a(1, 6, 2, 8), "dk": a(1, 6, 2, 8), "dv": a(1, 6, 2, 8), "dg": -mx.abs(a(1, 6, 2)),
@@ -103,10 +103,8 @@ def _cases(ext):
     stack = dict(which="base", offset=1)
 
     def stack_step(which, offset):
-        return lambda x, *caches: ext.decoder_stack_step(x, list(caches), stacks[which], offset=offset)
-    # its cache writes, the one cache buffer given as keys and values: the key write (output 1) and
-    # the value write (output 2) then read the same inputs and differ in where they read the new rows
-    write_inputs = ["bx", "kc", "kc"]
+        return lambda x, cache: ext.decoder_stack_step(x, cache, stacks[which], offset=offset)
+
     return {
         "FastUnary": (f"Fast({UNARY})", lambda kind: getattr(ext, kind), ["x"], {"kind": "silu"},
                       {"kind": {"kind": "tanh"}}),
@@ -169,12 +167,11 @@ def _cases(ext):
                               "eps": {**step, "eps": 1e-3}, "qk_eps": {**step, "qk_eps": 1e-3},
                               "window": {**step, "window": 1}, "gelu": {**step, "gelu": True},
                               "offset": {**step, "offset": 2}}),
-        "DecoderStackStep": ("DecoderStackStep", stack_step, ["bx", "kc", "vc"], stack,
+        "DecoderStackStep": ("DecoderStackStep", stack_step, ["bx", "sc"], stack,
                              {"params": {**stack, "which": "other"}, "offset": {**stack, "offset": 2}}),
-        "CacheColumnWrite": ("CacheColumnWrite",
-                             lambda which, offset: lambda *a: stack_step("base", offset)(*a)[which],
-                             write_inputs, {"which": 1, "offset": 1},
-                             {"start": {"which": 2}, "offset": {"offset": 2}}),
+        # its cache write (output 1)
+        "CacheColumnWrite": ("CacheColumnWrite", lambda offset: lambda *a: stack_step("base", offset)(*a)[1],
+                             ["bx", "sc"], {"offset": 1}, {"offset": {"offset": 2}}),
     }
 
 
@@ -196,7 +193,7 @@ VARIED = [(name, field) for name, fields in [
     ("AdamWUpdate", ["b1", "b2", "eps", "weight_decay", "bias_correction"]),
     ("CausalAttention", ["scale"]), ("CausalAttentionVJP", ["scale"]),
     ("DecoderBlockStep", ["rope_traditional", "rope_scale", "attn_scale", "eps", "qk_eps", "window", "gelu", "offset"]),
-    ("DecoderStackStep", ["params", "offset"]), ("CacheColumnWrite", ["start", "offset"]),
+    ("DecoderStackStep", ["params", "offset"]), ("CacheColumnWrite", ["offset"]),
 ] for field in fields]
 
 

@@ -29,6 +29,7 @@ import transformers
 import metalnn as mn
 from metalnn.cpu import decode_step as native
 from metalnn.cpu import ggml as cpu_ggml
+from metalnn.functional.decode_step import StackCache
 from metalnn.layers.attention import KVCache
 from metalnn.llm.models import load_pretrained
 from tests.support import gguf_files
@@ -98,7 +99,7 @@ def test_fused_decoding_matches_transformers(variant, tmp_path):
     toks = np.random.default_rng(3).integers(0, BASE["vocab_size"], (2, 12))
     got, names = decode_logits(model, toks, 4)
     assert names.count("DecoderStackStep") == 1, names
-    assert names.count("CacheColumnWrite") == 2 * BASE["num_hidden_layers"], names
+    assert names.count("CacheColumnWrite") == 1, names  # (every block's new key and value: one write)
     want = hf_logits(hf, toks)[:, 4:]
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 2e-4, f"{variant}: relative error {err:.3g}"
@@ -150,6 +151,51 @@ def test_fused_decoding_with_ggml_weights(tmp_path, int8_inputs, float_products)
     assert "DecoderStackStep" not in ref_names
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < (0.1 if int8_inputs else 1e-4), err
+
+
+@pytest.mark.parametrize("head", ["gguf_q4_1", "gguf_tied_q8_0", "float", "float_tied"])
+def test_fused_head_equals_the_model_head(tmp_path, monkeypatch, head, float_products):
+    # the stack step ends with the final norm and the output head (lm_head, or the token table when
+    # tied): the logits are the stack node's output, no head node after it. With a GGML head they
+    # equal the model's own norm and head bit for bit (the same norm and product kernels); with a
+    # float32 head they are the same sums in another order than MLX's matmul (a relative 1e-5).
+    from metalnn.llm.models.decoder import DecoderStack
+
+    tied = "tied" in head
+    if head.startswith("gguf"):
+        hf = gguf_files.hf_model("llama", vocab=400, tie=tied, seed=4)
+        path = tmp_path / "m.gguf"
+        gguf_files.write(path, hf, types={**gguf_files.TYPES, "attn_output.weight": gguf_files.Q.Q5_0,
+                                          "ffn_up.weight": gguf_files.Q.Q5_1})
+        vocab = 400
+    else:
+        hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **{**BASE, "tie_word_embeddings": tied})
+        hf.save_pretrained(tmp_path)
+        path, vocab = tmp_path, BASE["vocab_size"]
+    model = load_pretrained(path)
+    toks = np.random.default_rng(7).integers(0, vocab, (2, 9))
+    fused, names = decode_logits(model, toks, 4)
+    assert names.count("DecoderStackStep") == 1 and not {"GGMLMatmul", "Matmul", "MetalnnRMSNorm"} & set(names), names
+    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, data, cache, head: None)
+    own, own_names = decode_logits(model, toks, 4)
+    assert own_names.count("DecoderStackStep") == 1 and {"GGMLMatmul", "Matmul"} & set(own_names), own_names
+    if head.startswith("gguf"):
+        np.testing.assert_array_equal(fused, own)
+    else:
+        assert np.abs(fused - own).max() <= 1e-5 * np.abs(own).max()
+    assert np.abs(own).max() > 0
+
+
+def test_fused_head_falls_back_where_it_does_not_apply(tmp_path):
+    # an adapter on lm_head: the stack step ends at the last block and the model's own norm and head
+    # (with the adapter's product) follow
+    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    toks = np.random.default_rng(8).integers(0, BASE["vocab_size"], (1, 6))
+    mn.lora.apply(model, rank=2, targets=("lm_head",))
+    _, names = decode_logits(model, toks, 4)
+    assert names.count("DecoderStackStep") == 1 and "Matmul" in names, names
 
 
 def test_fused_step_has_no_gradient(tmp_path):
@@ -264,19 +310,30 @@ def prefilled_llama(tmp_path):
 
 
 def test_cache_is_written_in_place(tmp_path):
-    # the stack step only reads the caches; its cache writes then put the new position into the same
-    # buffers (a copy of every layer's cache per token would cost O(context) a token)
+    # the stack step only reads the caches (kept in one buffer for the whole stack after the first
+    # step); its cache write then puts the new position into that same buffer (a copy of every
+    # layer's cache per token would cost O(context) a token)
     model, cache = prefilled_llama(tmp_path)
+    before = [np.array(cache[i].keys)[:, :, :3] for i in range(len(cache))]
     buffers = set()
     for t in range(6):
         logits = model(mx.array([[4 + t]]), cache=cache)
         assert "DecoderStackStep" in node_names(logits)
         mx.eval(logits)
-        view = np.array(cache[1].keys, copy=False)
+        store = cache[1].store
+        assert isinstance(store, StackCache) and all(c.store is store for c in cache)
+        view = np.array(store.buffer, copy=False)
         buffers.add(view.__array_interface__["data"][0])
         del view
     assert len(buffers) == 1, buffers
-    assert cache[1].offset == 9
+    assert [c.offset for c in cache] == [9] * len(cache)
+    # reading a cache's keys ends its binding: it then owns a view of what it held, the prompt's
+    # positions unchanged and the six new ones written
+    for i, c in enumerate(cache):
+        keys = np.array(c.keys)
+        assert c.store is None and keys.shape[2] >= 9
+        np.testing.assert_array_equal(keys[:, :, :3], before[i])
+        assert (np.abs(keys[:, :, 3:9]).max(axis=-1) > 0).all()
 
 
 def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
@@ -305,10 +362,12 @@ def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
             out.append(np.array(logits))
         return np.stack(out), [c.lengths for c in caches], names
 
+    # (the final norm and head as the model runs them, in both: see test_fused_head_equals_the_model_head)
+    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, data, cache, head: None)
     stacked, names = decode_logits(model, toks, 4)
     ragged, lengths, ragged_names = ragged_steps()
     assert names.count("DecoderStackStep") == 1 and ragged_names.count("DecoderStackStep") == 1
-    monkeypatch.setattr(DecoderStack, "_fused_step", lambda self, device, h, cache: None)
+    monkeypatch.setattr(DecoderStack, "_fused_step", lambda self, device, h, cache, head=None: None)
     blocks, block_names = decode_logits(model, toks, 4)
     ragged_blocks, block_lengths, _ = ragged_steps()
     assert block_names.count("DecoderBlockStep") == 2 and "DecoderStackStep" not in block_names
@@ -318,16 +377,22 @@ def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
 
 
 def test_stack_step_leaves_a_buffer_someone_holds(tmp_path):
-    # a cache buffer still held elsewhere (here: `held`) is not written: the step writes a copy
+    # a cache buffer still held elsewhere (here: `held`, the caches' buffer after a first fused step,
+    # and `own`, a cache's own buffer before it) is not written: the step writes a copy
     model, cache = prefilled_llama(tmp_path)
-    held = cache[0].keys
-    before = np.array(held)
+    own = cache[0].keys
+    own_before = np.array(own)
     mx.eval(model(mx.array([[4]]), cache=cache))
+    np.testing.assert_array_equal(np.array(own), own_before)
+    held = cache[0].store.buffer
+    before = np.array(held)
+    mx.eval(model(mx.array([[5]]), cache=cache))
     np.testing.assert_array_equal(np.array(held), before)
-    assert cache[0].offset == 4
-    new = np.array(cache[0].keys)
-    np.testing.assert_array_equal(new[:, :, :3], before[:, :, :3])
-    assert np.abs(new[:, :, 3]).max() > 0 and np.abs(before[:, :, 3]).max() == 0
+    assert cache[0].offset == 5
+    new = np.array(cache[0].store.buffer)
+    np.testing.assert_array_equal(new[:, :, :, :, :4], before[:, :, :, :, :4])
+    assert np.abs(new[:, :, :, :, 4]).max() > 0 and np.abs(before[:, :, :, :, 4]).max() == 0
+    np.testing.assert_array_equal(before[0, 0, :, :, :3], own_before[:, :, :3])
 
 
 def _stack_block(D=32, hd=8, H=4, G=2, I=48, seed=0):
@@ -344,17 +409,24 @@ def test_bad_stack_inputs_name_the_block():
     f32 = lambda *s: mx.zeros(s, mx.float32)  # noqa: E731
     block = _stack_block(D, hd, G=G)
     blocks = native.StackBlocks([block, block])
-    caches = [(f32(1, G, 4, hd), f32(1, G, 4, hd)), (f32(1, G, 4, hd), f32(1, G, 4, hd))]
-    out, written = native.decoder_stack_step(f32(1, 1, D), blocks, caches, offset=0)
-    assert out.shape == (1, 1, D) and [k.shape for k, _ in written] == [(1, G, 4, hd)] * 2
-    with pytest.raises(ValueError, match=r"block 1: the value cache must be float32 of shape \(1, 2, 4, 8\)"):
-        native.decoder_stack_step(f32(1, 1, D), blocks, [caches[0], (caches[1][0], f32(1, G, 5, hd))], offset=0)
-    with pytest.raises(ValueError, match=r"block 0: offset 4 is outside the cache capacity 4"):
-        native.decoder_stack_step(f32(1, 1, D), blocks, caches, offset=4)
+    cache = f32(2, 2, 1, G, 4, hd)
+    out, written = native.decoder_stack_step(f32(1, 1, D), blocks, cache, offset=0)
+    assert out.shape == (1, 1, D) and written.shape == (2, 2, 1, G, 4, hd)
+    with pytest.raises(ValueError, match=r"the cache must be float32 \[2, 2, 1, 2, capacity, 8\] .*got \(2, 2, 1, 2, 4, 4\)"):
+        native.decoder_stack_step(f32(1, 1, D), blocks, f32(2, 2, 1, G, 4, 4), offset=0)
+    with pytest.raises(ValueError, match=r"the cache must be float32 .*got a non-float32 array \(2, 2, 1, 2, 4, 8\)"):
+        native.decoder_stack_step(f32(1, 1, D), blocks, cache.astype(mx.float16), offset=0)
+    with pytest.raises(ValueError, match=r"offset 4 is outside the cache capacity 4"):
+        native.decoder_stack_step(f32(1, 1, D), blocks, cache, offset=4)
     with pytest.raises(ValueError, match=r"x must be float32 \[B, 1, 32\], got \(1, 1, 16\)"):
-        native.decoder_stack_step(f32(1, 1, 16), blocks, caches, offset=0)
-    with pytest.raises(ValueError, match="2 caches for 1 blocks"):
-        native.decoder_stack_step(f32(1, 1, D), native.StackBlocks([block]), caches, offset=0)
+        native.decoder_stack_step(f32(1, 1, 16), blocks, cache, offset=0)
+    with pytest.raises(ValueError, match=r"the cache must be float32 \[1, 2, 1, 2, capacity, 8\]"):
+        native.decoder_stack_step(f32(1, 1, D), native.StackBlocks([block]), cache, offset=0)
+    with pytest.raises(ValueError, match=r"positions must be int32 of shape \(1,\)"):
+        native.decoder_stack_step(f32(1, 1, D), blocks, cache, offset=0, positions=mx.zeros((2,), mx.int32))
+    with pytest.raises(ValueError, match=r"block 1: kv_heads 1 and head_dim 8 differ from block 0's \(2, 8\)"):
+        native.decoder_stack_step(f32(1, 1, D), native.StackBlocks([block, _stack_block(D, hd, H=4, G=1)]), cache,
+                                  offset=0)
     with pytest.raises(ValueError, match="activation must be silu or gelu_tanh"):
         native.StackBlocks([{**block, "activation": "relu"}])
     # the parameters are checked once, when the blocks are prepared
@@ -373,9 +445,8 @@ def test_stack_parameters_are_held_and_made_contiguous():
     x = mx.array(np.random.default_rng(4).standard_normal((2, 1, D)).astype(np.float32))
 
     def step(blocks):
-        caches = [(mx.zeros((2, G, 4, hd)), mx.zeros((2, G, 4, hd))) for _ in range(2)]
-        out, written = native.decoder_stack_step(x, blocks, caches, offset=0)
-        return np.array(out), [np.array(a) for kv in written for a in kv]
+        out, written = native.decoder_stack_step(x, blocks, mx.zeros((2, 2, 2, G, 4, hd)), offset=0)
+        return np.array(out), [np.array(written)]
 
     want = step(native.StackBlocks([block, block]))
     down = np.array(block["weights"][6])
@@ -389,16 +460,16 @@ def test_stack_parameters_are_held_and_made_contiguous():
     assert np.abs(want[0]).max() > 0
 
 
-def test_stack_node_reads_only_x_and_the_caches():
-    # the parameters live in the prepared blocks, not in the graph: a step's node reads x and each
-    # block's two cache buffers only (before: also every block's ~12 parameters)
+def test_stack_node_reads_only_x_and_the_cache():
+    # the parameters live in the prepared blocks, not in the graph: a step's node reads x and the
+    # stack's one cache buffer only (before: also every block's ~12 parameters, then every block's
+    # two cache buffers)
     D, hd, G = 32, 8, 2
     blocks = native.StackBlocks([_stack_block(D, hd, G=G), _stack_block(D, hd, G=G, seed=1)])
-    caches = [(mx.zeros((1, G, 4, hd)), mx.zeros((1, G, 4, hd))) for _ in range(2)]
-    out, _ = native.decoder_stack_step(mx.zeros((1, 1, D)), blocks, caches, offset=0)
+    out, _ = native.decoder_stack_step(mx.zeros((1, 1, D)), blocks, mx.zeros((2, 2, 1, G, 4, hd)), offset=0)
     buf = io.StringIO()
     mx.export_to_dot(buf, out)
     dot = buf.getvalue()
     stack = re.search(r'(\S+) \[label ="DecoderStackStep"', dot).group(1)
     inputs = re.findall(r"(\S+) -> " + re.escape(stack), dot)
-    assert len(inputs) == 1 + 2 * 2, dot
+    assert len(inputs) == 2, dot

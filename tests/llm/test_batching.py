@@ -326,8 +326,8 @@ def test_pipelined_steps_give_each_sequence_its_lone_greedy_tokens(checkpoints):
 
 def test_pipelined_steps_write_the_caches_in_place(checkpoints, monkeypatch):
     """Step n + 1's graph is built while step n runs but queued only after step n has finished: its
-    cache writes then take the cache buffers over (MLX decides when queuing) instead of copying every
-    layer's cache a step while step n still holds them. Checked where it is decided (step n's tokens
+    cache write then takes the cache buffer over (MLX decides when queuing) instead of copying every
+    layer's cache a step while step n still holds it. Checked where it is decided (step n's tokens
     are evaluated before step n + 1 is queued) and by its effect (one buffer over the steps); the
     tokens stay `generate`'s alone."""
     from metalnn.cpu import decode_step as native
@@ -358,7 +358,7 @@ def test_pipelined_steps_write_the_caches_in_place(checkpoints, monkeypatch):
         gen.step()
         if gen.running == 2 and gen._pending is not None:
             real_eval(gen._pending.tokens)
-            view = np.array(gen._caches[1].keys, copy=False)
+            view = np.array(gen._caches[1].store.buffer, copy=False)  # (every layer's cache: one buffer)
             buffers.append(view.__array_interface__["data"][0])
             del view
     monkeypatch.undo()

@@ -214,6 +214,12 @@ class CausalLM(Layer):
         return self.backbone.embed_tokens
 
     @property
+    def output_head(self) -> Layer:
+        """The layer whose product with the final hidden states gives the logits: ``lm_head``, or
+        the token table when ``tie_word_embeddings``."""
+        return self.input_embeddings if self.tie_word_embeddings else self.lm_head
+
+    @property
     def decoder_layers(self) -> list:
         """The decoder blocks, in order (one cache entry each)."""
         return self.backbone.layers
@@ -314,6 +320,13 @@ class CausalLM(Layer):
         ids = self._token_batch(data)
         b, t = ids.shape
         self._check_positions(cache, t)
+        if cache is not None and t == 1 and self.logit_softcap is None:
+            # one new position a sequence: the blocks, final norm and head as one fused node where
+            # the backbone has that step and it runs them (`DecoderStack.fused_logits`)
+            fused = getattr(self.backbone, "fused_logits", None)
+            logits = None if fused is None else fused(device, Data(ids), cache, self.output_head)
+            if logits is not None:
+                return Data(logits, MTLSize(self.vocab_size, 1, b))
         h = self.compile_child(self.backbone, device, Data(ids), cache=cache)
         if last_only and t > 1:
             t = 1

@@ -18,6 +18,7 @@ from ...layers.batch_cache import BatchKVCache
 from ...layers.embedding import Embedding
 from ...layers.linear import Linear
 from ...layers.norm import RMSNorm
+from ...layers.transformer import step_gain, step_head
 from .base import refuse
 
 #: Qwen2 / Qwen3 ``layer_types`` entries
@@ -50,9 +51,7 @@ class DecoderStack(Layer):
         self.norm = RMSNorm(hidden_size, eps=eps, offset=norm_offset)
 
     def forward(self, device, data, cache=None):
-        h = self.compile_child(self.embed_tokens, device, data)
-        if self.embed_scale is not None:
-            h = Data(h.array * mx.array(self.embed_scale, dtype=h.array.dtype), h.dims)
+        h = self._embed(device, data)
         fused = self._fused_step(device, h, cache) if cache is not None and h.dims.H == 1 else None
         if fused is not None:
             h = Data(fused, h.dims)
@@ -61,16 +60,48 @@ class DecoderStack(Layer):
                 h = self.compile_child(layer, device, h, cache=cache[i] if cache is not None else None)
         return self.compile_child(self.norm, device, h)
 
-    def _fused_step(self, device, h, cache):
-        """One decoding position through every block as one fused node
-        (`metalnn.functional.decoder_stack_step`) when each block is a fused-step `DecoderBlock` with a
-        `KVCache` (or `BatchKVCache`); None otherwise (the blocks then run one by one)."""
+    def fused_logits(self, device, data, cache, head):
+        """Logits ``[B, 1, vocab]`` of one new position a sequence (token ids ``(W=1, H=1, D=B)``)
+        through the embedding, then every block, the final norm and ``head`` (the output head: an
+        ``lm_head`` projection, or the token table when tied) as one fused node; None (nothing done)
+        where the fused step does not run them (the caller then runs the model as usual)."""
+        plan = self._head_plan(head)
+        if plan is None:
+            return None
+        h = self._embed(device, data)
+        return self._fused_step(device, h, cache, plan)
+
+    def _embed(self, device, data):
+        h = self.compile_child(self.embed_tokens, device, data)
+        if self.embed_scale is not None:
+            h = Data(h.array * mx.array(self.embed_scale, dtype=h.array.dtype), h.dims)
+        return h
+
+    def _fused_step(self, device, h, cache, head=None):
+        """One decoding position through every block (and ``head``, a `metalnn.functional.StackHead`)
+        as one fused node (`metalnn.functional.decoder_stack_step`) when each block is a fused-step
+        `DecoderBlock` with a `KVCache` (or `BatchKVCache`); None otherwise (the blocks then run one
+        by one)."""
         if len(cache) != len(self.layers) or type(cache[0]) not in (KVCache, BatchKVCache):
             return None  # (decoder_stack_step checks that every cache is of the first one's class)
         steps = self._step_plans()
         if steps is None:
             return None
-        return F.decoder_stack_step(h.array, steps, cache, device=device)
+        return F.decoder_stack_step(h.array, steps, cache, device=device, head=head)
+
+    def _head_plan(self, head):
+        """The final norm and ``head`` as a `metalnn.functional.StackHead`, or None where the fused
+        step cannot run them; kept until a parameter changes."""
+        key = (parameter_epoch(), id(head))
+        cached = self.__dict__.get("_head_plan_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        gain, projection = step_gain(self.norm), step_head(head)
+        plan = None
+        if gain is not None and projection is not None:
+            plan = F.StackHead(gain=gain, eps=self.norm.eps, weight=projection[0], type_id=projection[1])
+        object.__setattr__(self, "_head_plan_cache", (key, plan))  # (outside the module's parameter tree)
+        return plan
 
     def _step_plans(self):
         """Every block's `fused_step_plan`, or None when a block has none; kept until a parameter or a

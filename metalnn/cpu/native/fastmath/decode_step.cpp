@@ -15,14 +15,17 @@
 // their rows (q, k and v; gate and up), the attention one pass over the heads.
 //
 // Weights: packed in a GGML block type (the kernels of ggml_kernels.h, as GGMLMatmul runs them, so
-// the products equal the unfused ones) or float32 [N, K]. The KV cache buffers [B, Hkv, capacity,
-// head_dim] (float32) are only read by the steps. DecoderBlockStep outputs the new position's key
-// and value [B, Hkv, 1, head_dim], which the caller writes into the cache with MLX's slice update;
-// DecoderStackStep outputs every block's new key and value packed in one array, and one
-// CacheColumnWrite node a buffer puts them in. Those writes work in place: MLX lets a single-output
-// node take its input's buffer when nothing else holds it (a multi-output primitive never gets
-// that: each of its outputs keeps its own reference to every input until it is evaluated, which is
-// why the writes are nodes of their own).
+// the products equal the unfused ones) or float32 [N, K]. The KV caches are only read by the steps.
+// DecoderBlockStep reads a block's buffers [B, Hkv, capacity, head_dim] (float32) and outputs the
+// new position's key and value [B, Hkv, 1, head_dim], which the caller writes into the cache with
+// MLX's slice update. DecoderStackStep reads every block's keys and values from one buffer, the
+// stack's cache [blocks, 2, B, Hkv, capacity, head_dim], and outputs the new keys and values packed
+// in one array, which one CacheColumnWrite node puts into that buffer. The write works in place: MLX
+// lets a single-output node take its input's buffer when nothing else holds it (a multi-output
+// primitive never gets that: each of its outputs keeps its own reference to every input until it
+// is evaluated, which is why the write is a node of its own). One buffer for the whole stack makes
+// that one node a step instead of two a block (each node costs MLX's bookkeeping on the thread that
+// also builds the next step, and on two cores that thread's time is taken from the products).
 // Inference only: the primitives have no gradient.
 
 #include "decode_step.h"
@@ -51,6 +54,7 @@
 #include "primitive.h"
 #include "strided.h"
 #include "threadpool.h"
+#include "train_ops.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -412,6 +416,18 @@ struct StackParams {
   std::vector<std::vector<const void*>> data;  // block b's inputs in the layout of `Input` (x, caches, positions: null)
   std::vector<std::array<int64_t, kProjections>> rows;
   int D = 0;
+  // The final RMSNorm and output head after the last block (head_rows 0: none, the step outputs the
+  // last block's output): gain [D] and epsilon, weight [head_rows, D] of GGML type head_type (-1:
+  // float32). With them the step outputs logits [B, 1, head_rows].
+  const float* head_gain = nullptr;
+  const void* head_weight = nullptr;
+  int head_type = -1;
+  int64_t head_rows = 0;
+  float head_eps = 0.0f;
+
+  mx::Shape output_shape(const mx::Shape& x) const {
+    return head_rows ? mx::Shape{x[0], 1, static_cast<int>(head_rows)} : x;
+  }
 
   int packed_size(int batch) const {
     int n = 0;
@@ -421,10 +437,11 @@ struct StackParams {
 };
 
 // A run of blocks, each as `DecoderBlockStep`, one after another for one new position: outputs the
-// last block's output [B, 1, D] and every block's new key and value, packed float32
-// [sum over blocks of 2 * B * Hkv * hd] (block b's keys, then its values, each [B, Hkv, hd]), which
-// `CacheColumnWrite` puts into the caches. One graph node and one task for the whole stack; its
-// inputs are [x, positions (with row_positions), keys 0, values 0, keys 1, ...].
+// last block's output [B, 1, D] (or, with a head, the logits [B, 1, V] of the final norm and head
+// after it) and every block's new key and value, packed float32 [sum over blocks of 2 * B * Hkv * hd]
+// (block b's keys, then its values, each [B, Hkv, hd]), which `CacheColumnWrite` puts into the
+// stack's cache. One graph node and one task for the whole stack;
+// its inputs are [x, positions (with row_positions), the stack's cache [blocks, 2, B, Hkv, cap, hd]].
 class DecoderStackStep : public DecodingPrimitive {
  public:
   DecoderStackStep(mx::Stream s, std::shared_ptr<const StackParams> params, int offset, bool row_positions)
@@ -436,8 +453,10 @@ class DecoderStackStep : public DecodingPrimitive {
     enc.dispatch([in = std::move(in), out = std::move(out), p = params_, offset = offset_,
                   row_positions = row_positions_]() mutable {
       if (in[kX].size() == 0) return;
-      const size_t first_cache = row_positions ? 2 : 1;
+      const mx::array& cache = in.back();
       const RowMajorInputs rm(in);
+      const float* slabs = static_cast<const float*>(rm.data.back());
+      const int64_t slab = static_cast<int64_t>(cache.size()) / std::max<int64_t>(1, 2 * cache.shape(0));
       const int64_t D = in[kX].shape(-1), M = static_cast<int64_t>(in[kX].size()) / D;
       std::vector<float> ping(static_cast<size_t>(M * D)), pong(static_cast<size_t>(M * D));
       const float* x = static_cast<const float*>(rm.data[kX]);
@@ -448,16 +467,24 @@ class DecoderStackStep : public DecodingPrimitive {
         sp.row_positions = row_positions;
         std::vector<const void*> data = p->data[b];
         data[kX] = x;
-        data[kKCache] = rm.data[first_cache + 2 * b];
-        data[kVCache] = rm.data[first_cache + 2 * b + 1];
+        data[kKCache] = slabs + 2 * b * slab;
+        data[kVCache] = slabs + (2 * b + 1) * slab;
         if (row_positions) data[sp.positions_input()] = rm.data[1];
         const auto& rows = p->rows[b];
-        const BlockShape shape{M, D, rows[kUp], in[first_cache + 2 * b].shape(2)};
-        float* y = b + 1 == p->specs.size() ? out[0].data<float>() : (b % 2 ? pong.data() : ping.data());
+        const BlockShape shape{M, D, rows[kUp], cache.shape(4)};
+        const bool last = b + 1 == p->specs.size() && p->head_rows == 0;
+        float* y = last ? out[0].data<float>() : (b % 2 ? pong.data() : ping.data());
         const int64_t kv = M * sp.kv_heads * sp.head_dim;
         run_block(sp, data, rows, shape, y, packed, packed + kv);
         packed += 2 * kv;
         x = y;
+      }
+      if (p->head_rows) {  // the final norm and the output head
+        std::vector<float> normed(static_cast<size_t>(M * D));
+        metalnn_train_ops::rms_norm_rows(x, p->head_gain, normed.data(), static_cast<size_t>(M), D, p->head_eps);
+        ProjectionProduct head;
+        head.prepare(p->head_weight, p->head_rows, p->head_type, normed.data(), M, D, out[0].data<float>());
+        run_products({&head}, D, M);
       }
     });
   }
@@ -465,7 +492,7 @@ class DecoderStackStep : public DecodingPrimitive {
   METALNN_PRIMITIVE("DecoderStackStep", params_, offset_, row_positions_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[kX].shape(), {params_->packed_size(inputs[kX].shape(0))}};
+    return {params_->output_shape(inputs[kX].shape()), {params_->packed_size(inputs[kX].shape(0))}};
   }
 
  private:
@@ -474,14 +501,15 @@ class DecoderStackStep : public DecodingPrimitive {
   bool row_positions_;
 };
 
-// A cache buffer [B, Hkv, cap, hd] with one new column written: each sequence's key (or value)
-// [Hkv, hd], taken from `packed` at element `start` ([B, Hkv, hd]), at column `offset` (or, with
-// row_positions, at the sequence's own position, clamped to the buffer). Writes in place when
-// MLX may hand the output the cache's buffer (nothing else holds it), else into a copy.
+// The stack's cache [blocks, 2, B, Hkv, cap, hd] with one new column written in every block's keys
+// and values: each sequence's key (or value) [Hkv, hd], taken from `packed` (the stack step's
+// second output: block b's keys [B, Hkv, hd], then its values), at column `offset` (or, with
+// row_positions, at the sequence's own position, clamped to the buffer). Writes in place when MLX
+// may hand the output the cache's buffer (nothing else holds it), else into a copy.
 class CacheColumnWrite : public DecodingPrimitive {
  public:
-  CacheColumnWrite(mx::Stream s, int64_t start, int offset, bool row_positions)
-      : DecodingPrimitive(s), start_(start), offset_(offset), row_positions_(row_positions) {}
+  CacheColumnWrite(mx::Stream s, int offset, bool row_positions)
+      : DecodingPrimitive(s), offset_(offset), row_positions_(row_positions) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -497,8 +525,8 @@ class CacheColumnWrite : public DecodingPrimitive {
     enc.set_output_array(out);
     std::vector<mx::array> in;
     for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), in_place, start = start_,
-                  offset = offset_, row_positions = row_positions_]() mutable {
+    enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), in_place, offset = offset_,
+                  row_positions = row_positions_]() mutable {
       const mx::array& c = in[0];
       float* dst = out.data<float>();
       if (!in_place) {
@@ -506,23 +534,25 @@ class CacheColumnWrite : public DecodingPrimitive {
         const float* src = metalnn_native::contiguous_data<float>(c, keep);
         std::copy(src, src + c.size(), dst);
       }
-      const int64_t B = c.shape(0), G = c.shape(1), cap = c.shape(2), hd = c.shape(3);
+      const int64_t slabs = int64_t(c.shape(0)) * c.shape(1), B = c.shape(2), G = c.shape(3), cap = c.shape(4),
+                    hd = c.shape(5);
       if (cap == 0) return;
-      const float* rows = in[1].data<float>() + start;
+      const float* rows = in[1].data<float>();
       const int32_t* positions = row_positions ? in[2].data<int32_t>() : nullptr;
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t col = std::clamp<int64_t>(positions ? positions[b] : offset, 0, cap - 1);
-        for (int64_t g = 0; g < G; ++g)
-          std::copy(rows + (b * G + g) * hd, rows + (b * G + g + 1) * hd, dst + ((b * G + g) * cap + col) * hd);
+      for (int64_t i = 0; i < slabs; ++i, rows += B * G * hd, dst += B * G * cap * hd) {
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t col = std::clamp<int64_t>(positions ? positions[b] : offset, 0, cap - 1);
+          for (int64_t g = 0; g < G; ++g)
+            std::copy(rows + (b * G + g) * hd, rows + (b * G + g + 1) * hd, dst + ((b * G + g) * cap + col) * hd);
+        }
       }
     });
   }
 
-  METALNN_PRIMITIVE("CacheColumnWrite", start_, offset_, row_positions_)
+  METALNN_PRIMITIVE("CacheColumnWrite", offset_, row_positions_)
   METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
-  int64_t start_;
   int offset_;
   bool row_positions_;
 };
@@ -551,17 +581,15 @@ void expect(const mx::array& a, const char* name, std::initializer_list<int> sha
 }
 
 // A weight [N, K] as the projection's type stores it (packed rows of blocks, or float32).
-void expect_weight(const mx::array& w, int p, int type, int64_t N, int64_t K) {
+void expect_weight(const mx::array& w, const char* name, int type, int64_t N, int64_t K) {
   if (type < 0) {
-    expect(w, kProjectionNames[p], {static_cast<int>(N), static_cast<int>(K)}, mx::float32);
+    expect(w, name, {static_cast<int>(N), static_cast<int>(K)}, mx::float32);
     return;
   }
   const gg::TypeInfo* t = gg::find_type(type);
-  if (t == nullptr) refuse(std::string(kProjectionNames[p]) + ": GGML type id " + std::to_string(type) +
-                           " has no native kernel");
-  if (K % t->block) refuse(std::string(kProjectionNames[p]) + ": width " + std::to_string(K) + " is not whole " +
-                           t->name + " blocks");
-  expect(w, kProjectionNames[p], {static_cast<int>(N), static_cast<int>(K / t->block * t->size)}, mx::uint8);
+  if (t == nullptr) refuse(std::string(name) + ": GGML type id " + std::to_string(type) + " has no native kernel");
+  if (K % t->block) refuse(std::string(name) + ": width " + std::to_string(K) + " is not whole " + t->name + " blocks");
+  expect(w, name, {static_cast<int>(N), static_cast<int>(K / t->block * t->size)}, mx::uint8);
 }
 
 void check_spec(const BlockSpec& sp) {
@@ -582,7 +610,7 @@ void check_block_params(const BlockSpec& sp, const At& at, int D) {
   const std::array<std::array<int64_t, 2>, kProjections> dims = {{{nq, D}, {nkv, D}, {nkv, D}, {D, nq}, {I, D},
                                                                   {I, D}, {D, I}}};
   for (int p = 0; p < kProjections; ++p) {
-    expect_weight(at(kWeights + p), p, sp.types[p], dims[p][0], dims[p][1]);
+    expect_weight(at(kWeights + p), kProjectionNames[p], sp.types[p], dims[p][0], dims[p][1]);
     if (sp.bias[p]) expect(at(sp.bias_input(p)), kProjectionNames[p], {static_cast<int>(dims[p][0])}, mx::float32);
   }
   expect(at(kInvFreq), "inv_freq", {sp.rope_dims / 2}, mx::float32);
@@ -644,7 +672,15 @@ std::vector<mx::array> decoder_block_step_op(const std::vector<mx::array>& input
 
 // A run of blocks' parameters: per block, in the layout of `Input` without x, the caches and the
 // positions: the two gains, the seven weights, inv_freq, the biases, the q and k norm gains.
-std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, std::vector<BlockSpec> specs) {
+// With a head (see `StackParams`): its norm gain, weight, GGML type and epsilon.
+struct HeadArgs {
+  mx::array gain, weight;
+  int type;
+  float eps;
+};
+
+std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, std::vector<BlockSpec> specs,
+                                               const std::optional<HeadArgs>& head) {
   if (specs.empty()) refuse("a stack step needs at least one block");
   size_t want = 0;
   for (auto& sp : specs) {
@@ -654,6 +690,10 @@ std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, st
   }
   if (params.size() != want)
     refuse("expected " + std::to_string(want) + " parameter arrays for these blocks, got " + std::to_string(params.size()));
+  if (head) {
+    params.push_back(head->gain);
+    params.push_back(head->weight);
+  }
   mx::eval(params);
   for (auto& a : params) {
     if (!a.flags().row_contiguous) {
@@ -685,6 +725,19 @@ std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, st
     out.data.push_back(std::move(data));
     out.rows.push_back(rows);
   }
+  if (head) {
+    const mx::array& gain = params[at];
+    const mx::array& weight = params[at + 1];
+    const int64_t V = weight.ndim() == 2 ? weight.shape(0) : 0;
+    expect(gain, "the final norm's gain", {out.D}, mx::float32);
+    if (V <= 0) refuse("the output head must be a matrix [vocab, " + std::to_string(out.D) + "], got " + shape_str(weight.shape()));
+    expect_weight(weight, "the output head", head->type, V, out.D);
+    out.head_gain = gain.data<float>();
+    out.head_weight = weight.data<uint8_t>();
+    out.head_type = head->type;
+    out.head_rows = V;
+    out.head_eps = head->eps;
+  }
   out.specs = std::move(specs);
   out.arrays = std::move(params);
   return made;
@@ -695,58 +748,42 @@ struct StackParamsHandle {
   std::shared_ptr<const StackParams> params;
 };
 
-// The stack step and its cache writes: [out, block 0's new keys buffer, its values buffer, block 1's
-// keys, ...] (see `DecoderStackStep`); caches: [keys 0, values 0, keys 1, ...].
+// The stack step and its cache write: [out, the stack's cache with the new position written] (see
+// `DecoderStackStep`); cache: [blocks, 2, B, Hkv, capacity, head_dim], every block's keys and values.
 std::vector<mx::array> decoder_stack_step_op(const mx::array& x, const std::optional<mx::array>& positions,
-                                             const std::vector<mx::array>& caches,
-                                             const std::shared_ptr<const StackParams>& params, int offset,
-                                             mx::StreamOrDevice sd) {
+                                             const mx::array& cache, const std::shared_ptr<const StackParams>& params,
+                                             int offset, mx::StreamOrDevice sd) {
   auto s = mx::to_stream(sd);
   if (s.device != mx::Device::cpu) refuse("runs on CPU streams only");
   const bool row_positions = positions.has_value();
   const size_t n = params->specs.size();
-  if (caches.size() != 2 * n)
-    refuse("expected " + std::to_string(2 * n) + " cache buffers (keys and values of " + std::to_string(n) +
-           " blocks), got " + std::to_string(caches.size()));
   const int D = check_x(x);
   if (D != params->D) refuse("x must be float32 [B, 1, " + std::to_string(params->D) + "], got " + shape_str(x.shape()));
-  for (size_t b = 0; b < n; ++b) {
-    BlockSpec sp = params->specs[b];
-    sp.offset = offset;
-    sp.row_positions = row_positions;
-    try {
-      check_block_state(sp, [&](int i) -> const mx::array& {
-        if (i == kKCache) return caches[2 * b];
-        if (i == kVCache) return caches[2 * b + 1];
-        if (i == kX) return x;
-        return *positions;
-      });
-    } catch (const std::invalid_argument& e) {
-      refuse_in_block(b, e);
-    }
-  }
+  const int B = x.shape(0), G = params->specs[0].kv_heads, hd = params->specs[0].head_dim;
+  for (size_t b = 1; b < n; ++b)
+    if (params->specs[b].kv_heads != G || params->specs[b].head_dim != hd)
+      refuse("block " + std::to_string(b) + ": kv_heads " + std::to_string(params->specs[b].kv_heads) +
+             " and head_dim " + std::to_string(params->specs[b].head_dim) + " differ from block 0's (" +
+             std::to_string(G) + ", " + std::to_string(hd) + "): the stack's cache needs one layout");
+  if (cache.ndim() != 6 || cache.shape(0) != static_cast<int>(n) || cache.shape(1) != 2 || cache.shape(2) != B ||
+      cache.shape(3) != G || cache.shape(5) != hd || cache.dtype() != mx::float32)
+    refuse("the cache must be float32 [" + std::to_string(n) + ", 2, " + std::to_string(B) + ", " +
+           std::to_string(G) + ", capacity, " + std::to_string(hd) + "] (blocks, keys and values, batch, kv_heads, "
+           "capacity, head_dim), got " + std::string(cache.dtype() == mx::float32 ? "" : "a non-float32 array ") +
+           shape_str(cache.shape()));
+  if (offset < 0 || offset >= cache.shape(4))
+    refuse("offset " + std::to_string(offset) + " is outside the cache capacity " + std::to_string(cache.shape(4)));
+  if (row_positions) expect(*positions, "positions", {B}, mx::int32);
   std::vector<mx::array> inputs = {x};
   if (row_positions) inputs.push_back(*positions);
-  inputs.insert(inputs.end(), caches.begin(), caches.end());
-  auto stack = std::make_shared<DecoderStackStep>(s, params, offset, row_positions);
-  const int B = x.shape(0);
-  auto outs = mx::array::make_arrays({x.shape(), {params->packed_size(B)}}, {mx::float32, mx::float32}, stack,
-                                     inputs);
-  std::vector<mx::array> result = {outs[0]};
-  int64_t start = 0;
-  for (size_t b = 0; b < n; ++b) {
-    const int64_t kv = int64_t(B) * params->specs[b].kv_heads * params->specs[b].head_dim;
-    for (int which = 0; which < 2; ++which) {
-      const mx::array& cache = caches[2 * b + which];
-      std::vector<mx::array> write_inputs = {cache, outs[1]};
-      if (row_positions) write_inputs.push_back(*positions);
-      result.push_back(mx::array(cache.shape(), mx::float32,
-                                 std::make_shared<CacheColumnWrite>(s, start, offset, row_positions),
-                                 std::move(write_inputs)));
-      start += kv;
-    }
-  }
-  return result;
+  inputs.push_back(cache);
+  auto outs = mx::array::make_arrays({params->output_shape(x.shape()), {params->packed_size(B)}}, {mx::float32, mx::float32},
+                                     std::make_shared<DecoderStackStep>(s, params, offset, row_positions), inputs);
+  std::vector<mx::array> write_inputs = {cache, outs[1]};
+  if (row_positions) write_inputs.push_back(*positions);
+  mx::array written(cache.shape(), mx::float32, std::make_shared<CacheColumnWrite>(s, offset, row_positions),
+                    std::move(write_inputs));
+  return {outs[0], written};
 }
 
 // Integers and floats of a BlockSpec as the Python side lists them (see `register_decode_step`).
@@ -821,31 +858,37 @@ void register_decode_step(nb::module_& m) {
       .def(
           "__init__",
           [](StackParamsHandle* self, const std::vector<mx::array>& params, const std::vector<int>& ints,
-             const std::vector<float>& floats) {
+             const std::vector<float>& floats, std::optional<mx::array> head_gain, std::optional<mx::array> head_weight,
+             int head_type, float head_eps) {
             if (ints.empty() || ints.size() % kSpecInts || floats.size() * kSpecInts != ints.size() * kSpecFloats)
               refuse("ints and floats must hold " + std::to_string(kSpecInts) + " and " +
                      std::to_string(kSpecFloats) + " numbers a block");
+            if (head_gain.has_value() != head_weight.has_value())
+              refuse("a head needs both head_gain and head_weight");
             std::vector<BlockSpec> specs;
             for (size_t b = 0; b < ints.size() / kSpecInts; ++b)
               specs.push_back(spec_from(ints.data() + b * kSpecInts, floats.data() + b * kSpecFloats, 0, false));
-            new (self) StackParamsHandle{make_stack_params(params, std::move(specs))};
+            std::optional<HeadArgs> head;
+            if (head_gain) head = HeadArgs{*head_gain, *head_weight, head_type, head_eps};
+            new (self) StackParamsHandle{make_stack_params(params, std::move(specs), head)};
           },
-          nb::arg("params"), nb::arg("ints"), nb::arg("floats"))
+          nb::arg("params"), nb::arg("ints"), nb::arg("floats"), nb::kw_only(), nb::arg("head_gain") = nb::none(),
+          nb::arg("head_weight") = nb::none(), nb::arg("head_type") = -1, nb::arg("head_eps") = 1e-5f)
       .def("__len__", [](const StackParamsHandle& h) { return h.params->specs.size(); });
 
   m.def(
       "decoder_stack_step",
-      [](const mx::array& x, const std::vector<mx::array>& caches, const StackParamsHandle& params, int offset,
+      [](const mx::array& x, const mx::array& cache, const StackParamsHandle& params, int offset,
          std::optional<mx::array> positions, mx::StreamOrDevice s) {
-        return decoder_stack_step_op(x, positions, caches, params.params, offset, s);
+        return decoder_stack_step_op(x, positions, cache, params.params, offset, s);
       },
       nb::arg("x"),
-      nb::arg("caches"),
+      nb::arg("cache"),
       nb::arg("params"),
       nb::kw_only(),
       nb::arg("offset"),
       nb::arg("positions") = nb::none(),
       nb::arg("stream") = nb::none(),
-      "Consecutive decoder blocks, each as decoder_block_step, as one node, and the caches with the "
-      "new position written: [out, keys 0, values 0, keys 1, ...] (see metalnn/cpu/decode_step.py).");
+      "Consecutive decoder blocks, each as decoder_block_step, as one node, and the stack's cache with "
+      "the new position written: [out, cache] (see metalnn/cpu/decode_step.py).");
 }

@@ -1363,6 +1363,10 @@ Kind kind_of(const std::string& name) {
 
 }  // namespace
 
+void metalnn_train_ops::rms_norm_rows(const float* x, const float* w, float* y, size_t rows, int64_t n, float eps) {
+  avx2() ? rms_fwd_rows<true>(x, w, y, 0, rows, n, eps) : rms_fwd_rows<false>(x, w, y, 0, rows, n, eps);
+}
+
 void register_train_ops(nb::module_& m) {
   m.def(
       "rms_norm",
