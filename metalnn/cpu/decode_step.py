@@ -105,12 +105,16 @@ class StackBlocks:
             outputs the last block's output): a dict of ``gain`` (float32 ``[D]``), ``eps``,
             ``weight`` (``[vocab, D]``: packed GGML rows, or float32) and ``type`` (its GGML type
             id, -1 for float32); the step then outputs logits ``[B, 1, vocab]``.
+        embedding: the token table before the first block, or None (the step's input is then
+            ``x`` ``[B, 1, D]``): a dict of ``weight`` (``[vocab, D]``, as the head's), ``type`` and
+            optionally ``scale`` (multiplies the rows); the step's input is then the token ids
+            int32 or uint32 ``[B, 1]`` (an id outside the table reads the nearest row).
     Raises:
         ValueError: a parameter of the wrong shape or dtype (the message names the block and the
             parameter, or the output head) or an unknown activation.
     """
 
-    def __init__(self, blocks, head: dict | None = None):
+    def __init__(self, blocks, head: dict | None = None, embedding: dict | None = None):
         ints, floats, params = [], [], []
         for b in blocks:
             activation = b.get("activation", "silu")
@@ -130,8 +134,11 @@ class StackBlocks:
         if head is not None:
             options = dict(head_gain=head["gain"], head_weight=head["weight"], head_type=int(head["type"]),
                            head_eps=float(head["eps"]))
+        if embedding is not None:
+            scale = embedding.get("scale")
+            options.update(embed_weight=embedding["weight"], embed_type=int(embedding["type"]),
+                           embed_scale=None if scale is None else float(scale))
         self.params = _ext.StackParams(params, ints, floats, **options)
-        self.has_head = head is not None
 
     def __len__(self):
         return len(self.params)
@@ -144,6 +151,7 @@ def decoder_stack_step(x, blocks: StackBlocks, cache, *, offset: int, positions=
     into a copy).
 
     Args:
+        x: float32 ``[B, 1, D]``, or the token ids ``[B, 1]`` when ``blocks`` has a token table.
         cache: every block's keys and values in one float32 buffer
             ``[blocks, 2, B, kv_heads, capacity, head_dim]`` (``cache[b, 0]``: block b's keys; the
             blocks must share ``kv_heads`` and ``head_dim``).

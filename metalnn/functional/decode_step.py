@@ -26,7 +26,7 @@ from ..cpu.device import on_cpu
 from ..device import resolve
 from ..kernels.op_math import rope_frequencies
 
-__all__ = ["BlockStep", "StackCache", "StackHead", "decoder_block_step", "decoder_stack_step"]
+__all__ = ["BlockStep", "StackCache", "StackEmbedding", "StackHead", "decoder_block_step", "decoder_stack_step"]
 
 _ACTIVATIONS = native.ACTIVATIONS
 
@@ -88,11 +88,33 @@ class StackHead:
     def runs_natively(self) -> bool:
         """Whether the native step takes it: a float32 gain and a float32 or natively supported
         GGML weight."""
-        if self.gain.dtype != mx.float32:
-            return False
-        if self.type_id == -1:
-            return self.weight.dtype == mx.float32
-        return self.weight.dtype == mx.uint8 and self.type_id in cpu_ggml.native_type_ids()
+        return self.gain.dtype == mx.float32 and _matrix_runs_natively(self.weight, self.type_id)
+
+
+@dataclass(eq=False)
+class StackEmbedding:
+    """The token table a decoding stack's fused step can begin with (its input is then the token
+    ids).
+
+    Attributes:
+        weight: the table ``[vocab, D]`` (packed GGML rows, or float32); type_id: its GGML type id
+            (-1: float32).
+        scale: multiplies the rows (Gemma's ``sqrt(hidden_size)``, as a float32), or None.
+    """
+
+    weight: mx.array
+    type_id: int
+    scale: float | None = None
+
+    def runs_natively(self) -> bool:
+        """Whether the native step takes it: a float32 or natively supported GGML table."""
+        return _matrix_runs_natively(self.weight, self.type_id)
+
+
+def _matrix_runs_natively(weight, type_id: int) -> bool:
+    if type_id == -1:
+        return weight.dtype == mx.float32
+    return weight.dtype == mx.uint8 and type_id in cpu_ggml.native_type_ids()
 
 
 _INV_FREQ = {}
@@ -145,10 +167,15 @@ def _prepared(step: BlockStep) -> dict:
     return p
 
 
-def _runs_natively(x, step: BlockStep, keys, device) -> bool:
+def _runs_natively(x, step: BlockStep, keys, device, ids: bool = False) -> bool:
+    """Whether the native step runs ``x`` (float32 ``[B, 1, D]``; with ``ids``, integer ``[B, 1]``)
+    with ``keys`` (a cache buffer or None) for the plan ``step`` on ``device``."""
     if device.kernels != "auto" or not on_cpu() or not native.available():
         return False
-    if x.dtype != mx.float32 or x.ndim != 3 or x.shape[1] != 1:
+    if ids:
+        if x.ndim != 2 or x.shape[1] != 1 or not mx.issubdtype(x.dtype, mx.integer):
+            return False
+    elif x.dtype != mx.float32 or x.ndim != 3 or x.shape[1] != 1:
         return False
     if keys is not None and keys.dtype != mx.float32:
         return False
@@ -177,25 +204,29 @@ def decoder_block_step(x, step: BlockStep, cache, device=None):
     return out
 
 
-def _stack_blocks(steps, head: StackHead | None) -> native.StackBlocks | None:
-    """The plans' native stack arguments (and the head's), worked out once per list of plans and
-    head (kept with the first plan); None when a plan's parameters or the head do not run natively."""
+def _stack_blocks(steps, head: StackHead | None, embedding: StackEmbedding | None) -> native.StackBlocks | None:
+    """The plans' native stack arguments (and the head's and token table's), worked out once per
+    list of plans, head and table (kept with the first plan); None when a plan's parameters, the
+    head or the table do not run natively."""
     p = steps[0].prepared
     cached = p.get("stack")
-    if (cached is not None and cached[2] is head and len(cached[0]) == len(steps)
+    if (cached is not None and cached[2] is head and cached[3] is embedding and len(cached[0]) == len(steps)
             and all(a is b for a, b in zip(cached[0], steps))):
         return cached[1]
     prepared = [_prepared(s) for s in steps]
     blocks = None
-    if all(q["ok"] for q in prepared) and (head is None or head.runs_natively()):
+    if (all(q["ok"] for q in prepared) and (head is None or head.runs_natively())
+            and (embedding is None or embedding.runs_natively())):
         blocks = native.StackBlocks([
             dict(gains=s.gains, weights=q["weights"], types=q["types"], biases=q["biases"], inv_freq=q["inv_freq"],
                  heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, rope_dims=s.rope_dims,
                  rope_traditional=s.rope_traditional, rope_scale=s.rope_scale, attn_scale=q["scale"], eps=s.eps,
                  qk_gains=s.qk_gains, qk_eps=s.qk_eps, window=s.window, activation=s.activation)
             for s, q in zip(steps, prepared)],
-            head=None if head is None else dict(gain=head.gain, eps=head.eps, weight=head.weight, type=head.type_id))
-    p["stack"] = (tuple(steps), blocks, head)
+            head=None if head is None else dict(gain=head.gain, eps=head.eps, weight=head.weight, type=head.type_id),
+            embedding=None if embedding is None else dict(weight=embedding.weight, type=embedding.type_id,
+                                                          scale=embedding.scale))
+    p["stack"] = (tuple(steps), blocks, head, embedding)
     return blocks
 
 
@@ -252,13 +283,15 @@ def _uniform_layout(steps) -> bool:
     return all(s.kv_heads == first.kv_heads and s.head_dim == first.head_dim for s in steps)
 
 
-def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = None):
-    """Consecutive blocks (``steps``, one `BlockStep` each) for ``x`` ``[B, 1, D]``, each with its
-    cache (``caches``: one `metalnn.layers.KVCache` or `metalnn.layers.BatchKVCache` a block, all of
-    one class and at the same positions; each is appended to), as one fused native node; returns
-    the last block's output ``[B, 1, D]`` (with ``head``: the logits ``[B, 1, vocab]`` of the final
-    norm and head after it), or None (nothing done, the caches untouched) when the fused step does
-    not apply to all of them or to the head (see the module docstring; the caller then runs the
+def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = None,
+                       embedding: StackEmbedding | None = None):
+    """Consecutive blocks (``steps``, one `BlockStep` each) for ``x`` ``[B, 1, D]`` (with
+    ``embedding``: the token ids ``[B, 1]``, looked up in its table first), each with its cache
+    (``caches``: one `metalnn.layers.KVCache` or `metalnn.layers.BatchKVCache` a block, all of one
+    class and at the same positions; each is appended to), as one fused native node; returns the
+    last block's output ``[B, 1, D]`` (with ``head``: the logits ``[B, 1, vocab]`` of the final norm
+    and head after it), or None (nothing done, the caches untouched) when the fused step does not
+    apply to all of them, the head or the table (see the module docstring; the caller then runs the
     blocks one by one).
 
     The same as `decoder_block_step` block after block, with one graph node for the whole stack and
@@ -266,7 +299,8 @@ def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = N
     (`StackCache`, in place: a decoding step of a small model is otherwise bound by the graph's
     size, its building in Python and its dispatch)."""
     device = resolve(device)
-    if not steps or len(steps) != len(caches) or not _runs_natively(x, steps[0], None, device):
+    ids = embedding is not None
+    if not steps or len(steps) != len(caches) or not _runs_natively(x, steps[0], None, device, ids=ids):
         return None
     first, b = caches[0], x.shape[0]
     kind, offset, lengths = type(first), first.offset, getattr(first, "lengths", None)
@@ -276,9 +310,11 @@ def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = N
         same = all(type(c) is kind and c.offset == offset for c in caches)
     if not same or not _uniform_layout(steps):
         return None
-    blocks = _stack_blocks(steps, head)
+    blocks = _stack_blocks(steps, head, embedding)
     if blocks is None:
         return None
+    if ids and x.dtype not in (mx.int32, mx.uint32):
+        x = x.astype(mx.int32)
     store = first.store
     if not (isinstance(store, StackCache) and store.holds(caches, b, offset + 1)):
         if any(c.keys is not None and c.keys.dtype != mx.float32 for c in caches):

@@ -47,10 +47,11 @@ def step_gain(norm):
     return norm["weight"] + norm.offset if norm.offset else norm["weight"]
 
 
-def step_head(layer):
-    """``(weight [vocab, D], GGUF type id or -1 for float32)`` of an output head the fused decoding
-    step can end with: a projection without bias (as `_projection` takes it) or a token table used
-    as the head (tied embeddings: a float32 `Embedding`, a `GGMLEmbedding`); else None."""
+def step_matrix(layer):
+    """``(weight [rows, D], GGUF type id or -1 for float32)`` of a token table (a float32
+    `Embedding`, a `GGMLEmbedding`: the fused decoding step's lookup, or its output head when tied)
+    or an output head without bias (as `_projection` takes it) that the fused decoding step can
+    run; else None."""
     kind = type(layer)
     if kind is GGMLEmbedding:
         return layer["weight"], layer.qtype.type_id

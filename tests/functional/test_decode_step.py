@@ -176,7 +176,7 @@ def test_fused_head_equals_the_model_head(tmp_path, monkeypatch, head, float_pro
     toks = np.random.default_rng(7).integers(0, vocab, (2, 9))
     fused, names = decode_logits(model, toks, 4)
     assert names.count("DecoderStackStep") == 1 and not {"GGMLMatmul", "Matmul", "MetalnnRMSNorm"} & set(names), names
-    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, data, cache, head: None)
+    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, ids, cache, head: None)
     own, own_names = decode_logits(model, toks, 4)
     assert own_names.count("DecoderStackStep") == 1 and {"GGMLMatmul", "Matmul"} & set(own_names), own_names
     if head.startswith("gguf"):
@@ -363,7 +363,7 @@ def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
         return np.stack(out), [c.lengths for c in caches], names
 
     # (the final norm and head as the model runs them, in both: see test_fused_head_equals_the_model_head)
-    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, data, cache, head: None)
+    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, ids, cache, head: None)
     stacked, names = decode_logits(model, toks, 4)
     ragged, lengths, ragged_names = ragged_steps()
     assert names.count("DecoderStackStep") == 1 and ragged_names.count("DecoderStackStep") == 1
@@ -435,6 +435,43 @@ def test_bad_stack_inputs_name_the_block():
         native.StackBlocks([block, bad])
     with pytest.raises(ValueError, match=r"block 0: down_proj must be float32 of shape \(32, 48\)"):
         native.StackBlocks([{**block, "weights": block["weights"][:6] + [f32(D, 40)]}])
+
+
+def test_stack_with_token_table_and_head():
+    # a stack step that begins with the token table (ids in, the rows scaled) and ends with the final
+    # norm and head (logits out) equals the rows looked up, the plain stack step, then the norm and
+    # head in NumPy (a relative 1e-5: float32 sums in another order); an id outside the table reads
+    # the nearest row (the native step never reads outside the table)
+    D, hd, G, V = 32, 8, 2, 11
+    rng = np.random.default_rng(9)
+    table = mx.array(rng.standard_normal((V, D)).astype(np.float32))
+    head_w = mx.array(rng.standard_normal((V + 2, D)).astype(np.float32) * 0.3)
+    gain = mx.array(rng.uniform(0.5, 1.5, D).astype(np.float32))
+    block = _stack_block(D, hd, G=G, seed=5)
+    plain = native.StackBlocks([block, block])
+    ends = native.StackBlocks([block, block], head=dict(gain=gain, eps=1e-5, weight=head_w, type=-1),
+                              embedding=dict(weight=table, type=-1, scale=1.5))
+    cache = mx.zeros((2, 2, 3, G, 4, hd))
+    ids = mx.array([[3], [V + 4], [-2]], dtype=mx.int32)
+    logits, written = native.decoder_stack_step(ids, ends, cache, offset=0)
+    rows = np.array(table)[[3, V - 1, 0]] * np.float32(1.5)
+    h, want_written = native.decoder_stack_step(mx.array(rows[:, None, :]), plain, cache, offset=0)
+    h = np.array(h)[:, 0]
+    normed = h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-5) * np.array(gain)
+    want = normed @ np.array(head_w).T
+    assert logits.shape == (3, 1, V + 2)
+    assert np.abs(np.array(logits)[:, 0] - want).max() <= 1e-5 * np.abs(want).max()
+    np.testing.assert_array_equal(np.array(written), np.array(want_written))
+    u32, _ = native.decoder_stack_step(ids[:1].astype(mx.uint32), ends, cache[:, :, :1], offset=0)
+    np.testing.assert_array_equal(np.array(u32), np.array(logits)[:1])
+    with pytest.raises(ValueError, match=r"the token ids must be int32 or uint32 \[B, 1\] .*got \(3, 1, 32\)"):
+        native.decoder_stack_step(mx.zeros((3, 1, D)), ends, cache, offset=0)
+    with pytest.raises(ValueError, match=r"the token table must be float32 of shape \(11, 32\), got float16"):
+        native.StackBlocks([block], embedding=dict(weight=table.astype(mx.float16), type=-1))
+    with pytest.raises(ValueError, match=r"the output head: GGML type id 99 has no native kernel"):
+        native.StackBlocks([block], head=dict(gain=gain, eps=1e-5, weight=head_w, type=99))
+    with pytest.raises(ValueError, match=r"the final norm's gain must be float32 of shape \(32,\)"):
+        native.StackBlocks([block], head=dict(gain=gain[:4], eps=1e-5, weight=head_w, type=-1))
 
 
 def test_stack_parameters_are_held_and_made_contiguous():

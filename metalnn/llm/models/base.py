@@ -324,7 +324,7 @@ class CausalLM(Layer):
             # one new position a sequence: the blocks, final norm and head as one fused node where
             # the backbone has that step and it runs them (`DecoderStack.fused_logits`)
             fused = getattr(self.backbone, "fused_logits", None)
-            logits = None if fused is None else fused(device, Data(ids), cache, self.output_head)
+            logits = None if fused is None else fused(device, ids, cache, self.output_head)
             if logits is not None:
                 return Data(logits, MTLSize(self.vocab_size, 1, b))
         h = self.compile_child(self.backbone, device, Data(ids), cache=cache)

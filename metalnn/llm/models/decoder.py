@@ -18,7 +18,7 @@ from ...layers.batch_cache import BatchKVCache
 from ...layers.embedding import Embedding
 from ...layers.linear import Linear
 from ...layers.norm import RMSNorm
-from ...layers.transformer import step_gain, step_head
+from ...layers.transformer import step_gain, step_matrix
 from .base import refuse
 
 #: Qwen2 / Qwen3 ``layer_types`` entries
@@ -52,7 +52,7 @@ class DecoderStack(Layer):
 
     def forward(self, device, data, cache=None):
         h = self._embed(device, data)
-        fused = self._fused_step(device, h, cache) if cache is not None and h.dims.H == 1 else None
+        fused = self._fused_step(device, h.array, cache) if cache is not None and h.dims.H == 1 else None
         if fused is not None:
             h = Data(fused, h.dims)
         else:
@@ -60,16 +60,17 @@ class DecoderStack(Layer):
                 h = self.compile_child(layer, device, h, cache=cache[i] if cache is not None else None)
         return self.compile_child(self.norm, device, h)
 
-    def fused_logits(self, device, data, cache, head):
-        """Logits ``[B, 1, vocab]`` of one new position a sequence (token ids ``(W=1, H=1, D=B)``)
-        through the embedding, then every block, the final norm and ``head`` (the output head: an
+    def fused_logits(self, device, ids, cache, head):
+        """Logits ``[B, 1, vocab]`` of one new position a sequence (integer token ids ``[B, 1]``)
+        through the embedding, every block, the final norm and ``head`` (the output head: an
         ``lm_head`` projection, or the token table when tied) as one fused node; None (nothing done)
         where the fused step does not run them (the caller then runs the model as usual)."""
-        plan = self._head_plan(head)
-        if plan is None:
+        head_plan, table_plan = self._end_plans(head)
+        if head_plan is None:
             return None
-        h = self._embed(device, data)
-        return self._fused_step(device, h, cache, plan)
+        if table_plan is not None:  # (the lookup inside the node too)
+            return self._fused_step(device, ids, cache, head_plan, table_plan)
+        return self._fused_step(device, self._embed(device, Data(ids)).array, cache, head_plan)
 
     def _embed(self, device, data):
         h = self.compile_child(self.embed_tokens, device, data)
@@ -77,31 +78,33 @@ class DecoderStack(Layer):
             h = Data(h.array * mx.array(self.embed_scale, dtype=h.array.dtype), h.dims)
         return h
 
-    def _fused_step(self, device, h, cache, head=None):
-        """One decoding position through every block (and ``head``, a `metalnn.functional.StackHead`)
-        as one fused node (`metalnn.functional.decoder_stack_step`) when each block is a fused-step
-        `DecoderBlock` with a `KVCache` (or `BatchKVCache`); None otherwise (the blocks then run one
-        by one)."""
+    def _fused_step(self, device, x, cache, head=None, embedding=None):
+        """One decoding position (``x`` ``[B, 1, D]``, or token ids ``[B, 1]`` with ``embedding``)
+        through every block (then ``head``: a `metalnn.functional.StackHead`) as one fused node
+        (`metalnn.functional.decoder_stack_step`) when each block is a fused-step `DecoderBlock` with
+        a `KVCache` (or `BatchKVCache`); None otherwise (the blocks then run one by one)."""
         if len(cache) != len(self.layers) or type(cache[0]) not in (KVCache, BatchKVCache):
             return None  # (decoder_stack_step checks that every cache is of the first one's class)
         steps = self._step_plans()
         if steps is None:
             return None
-        return F.decoder_stack_step(h.array, steps, cache, device=device, head=head)
+        return F.decoder_stack_step(x, steps, cache, device=device, head=head, embedding=embedding)
 
-    def _head_plan(self, head):
-        """The final norm and ``head`` as a `metalnn.functional.StackHead`, or None where the fused
-        step cannot run them; kept until a parameter changes."""
+    def _end_plans(self, head):
+        """``(StackHead, StackEmbedding)``: the final norm and ``head``, and the token table, as the
+        fused step takes them (each None where it cannot); kept until a parameter changes."""
         key = (parameter_epoch(), id(head))
-        cached = self.__dict__.get("_head_plan_cache")
+        cached = self.__dict__.get("_end_plans_cache")
         if cached is not None and cached[0] == key:
             return cached[1]
-        gain, projection = step_gain(self.norm), step_head(head)
-        plan = None
+        gain, projection, table = step_gain(self.norm), step_matrix(head), step_matrix(self.embed_tokens)
+        head_plan = table_plan = None
         if gain is not None and projection is not None:
-            plan = F.StackHead(gain=gain, eps=self.norm.eps, weight=projection[0], type_id=projection[1])
-        object.__setattr__(self, "_head_plan_cache", (key, plan))  # (outside the module's parameter tree)
-        return plan
+            head_plan = F.StackHead(gain=gain, eps=self.norm.eps, weight=projection[0], type_id=projection[1])
+        if table is not None:
+            table_plan = F.StackEmbedding(weight=table[0], type_id=table[1], scale=self.embed_scale)
+        object.__setattr__(self, "_end_plans_cache", (key, (head_plan, table_plan)))  # (outside the parameter tree)
+        return head_plan, table_plan
 
     def _step_plans(self):
         """Every block's `fused_step_plan`, or None when a block has none; kept until a parameter or a

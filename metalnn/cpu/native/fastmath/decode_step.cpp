@@ -328,7 +328,7 @@ struct RowMajorInputs {
     for (size_t i = 0; i < in.size(); ++i) {
       if (in[i].dtype() == mx::uint8) {
         data[i] = metalnn_native::contiguous_data<uint8_t>(in[i], byte_copies[i]);
-      } else if (in[i].dtype() == mx::int32) {
+      } else if (in[i].dtype() == mx::int32 || in[i].dtype() == mx::uint32) {  // (token ids: read as int32)
         data[i] = metalnn_native::contiguous_data<int32_t>(in[i], int_copies[i]);
       } else {
         data[i] = metalnn_native::contiguous_data<float>(in[i], float_copies[i]);
@@ -424,9 +424,38 @@ struct StackParams {
   int head_type = -1;
   int64_t head_rows = 0;
   float head_eps = 0.0f;
+  // The token table before the first block (embed_rows 0: none, the step's input is x [B, 1, D]):
+  // [embed_rows, D] of GGML type embed_type (-1: float32), its rows multiplied by embed_scale. With
+  // it the step's input is token ids [B, 1] (int32 or uint32; an id outside the table reads its
+  // nearest row: the step never reads outside the table).
+  const void* embed_weight = nullptr;
+  int embed_type = -1;
+  int64_t embed_rows = 0;
+  float embed_scale = 1.0f;
+  bool embed_scaled = false;
 
-  mx::Shape output_shape(const mx::Shape& x) const {
-    return head_rows ? mx::Shape{x[0], 1, static_cast<int>(head_rows)} : x;
+  mx::Shape output_shape(const mx::Shape& in) const {
+    if (head_rows) return {in[0], 1, static_cast<int>(head_rows)};
+    return embed_rows ? mx::Shape{in[0], 1, D} : in;
+  }
+
+  // x [M, D]: rows `ids` of the table (scaled).
+  void embed(const int32_t* ids, int64_t M, float* x) const {
+    const bool avx2 = gg::use_avx2();
+    const gg::TypeInfo* t = embed_type >= 0 ? gg::find_type(embed_type) : nullptr;
+    const int64_t row_bytes = t ? D / t->block * t->size : D * int64_t(sizeof(float));
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t id = std::clamp<int64_t>(ids[m], 0, embed_rows - 1);
+      const uint8_t* row = static_cast<const uint8_t*>(embed_weight) + id * row_bytes;
+      float* out = x + m * D;
+      if (t) {
+        gg::dequantize_rows(*t, row, D, out, 0, 1, avx2);
+      } else {
+        std::copy(reinterpret_cast<const float*>(row), reinterpret_cast<const float*>(row) + D, out);
+      }
+      if (embed_scaled)
+        for (int64_t i = 0; i < D; ++i) out[i] *= embed_scale;
+    }
   }
 
   int packed_size(int batch) const {
@@ -440,8 +469,9 @@ struct StackParams {
 // last block's output [B, 1, D] (or, with a head, the logits [B, 1, V] of the final norm and head
 // after it) and every block's new key and value, packed float32 [sum over blocks of 2 * B * Hkv * hd]
 // (block b's keys, then its values, each [B, Hkv, hd]), which `CacheColumnWrite` puts into the
-// stack's cache. One graph node and one task for the whole stack;
-// its inputs are [x, positions (with row_positions), the stack's cache [blocks, 2, B, Hkv, cap, hd]].
+// stack's cache. One graph node and one task for the whole stack; its inputs are [x (or, with a
+// token table, the token ids [B, 1]), positions (with row_positions), the stack's cache
+// [blocks, 2, B, Hkv, cap, hd]].
 class DecoderStackStep : public DecodingPrimitive {
  public:
   DecoderStackStep(mx::Stream s, std::shared_ptr<const StackParams> params, int offset, bool row_positions)
@@ -457,9 +487,14 @@ class DecoderStackStep : public DecodingPrimitive {
       const RowMajorInputs rm(in);
       const float* slabs = static_cast<const float*>(rm.data.back());
       const int64_t slab = static_cast<int64_t>(cache.size()) / std::max<int64_t>(1, 2 * cache.shape(0));
-      const int64_t D = in[kX].shape(-1), M = static_cast<int64_t>(in[kX].size()) / D;
-      std::vector<float> ping(static_cast<size_t>(M * D)), pong(static_cast<size_t>(M * D));
+      const int64_t D = p->D, M = in[kX].shape(0);
+      std::vector<float> ping(static_cast<size_t>(M * D)), pong(static_cast<size_t>(M * D)), embedded;
       const float* x = static_cast<const float*>(rm.data[kX]);
+      if (p->embed_rows) {
+        embedded.resize(static_cast<size_t>(M * D));
+        p->embed(static_cast<const int32_t*>(rm.data[kX]), M, embedded.data());
+        x = embedded.data();
+      }
       float* packed = out[1].data<float>();
       for (size_t b = 0; b < p->specs.size(); ++b) {
         BlockSpec sp = p->specs[b];
@@ -679,8 +714,16 @@ struct HeadArgs {
   float eps;
 };
 
+// With a token table (see `StackParams`): the table, its GGML type and the scale of its rows.
+struct EmbedArgs {
+  mx::array weight;
+  int type;
+  std::optional<float> scale;
+};
+
 std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, std::vector<BlockSpec> specs,
-                                               const std::optional<HeadArgs>& head) {
+                                               const std::optional<HeadArgs>& head,
+                                               const std::optional<EmbedArgs>& embed) {
   if (specs.empty()) refuse("a stack step needs at least one block");
   size_t want = 0;
   for (auto& sp : specs) {
@@ -694,6 +737,7 @@ std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, st
     params.push_back(head->gain);
     params.push_back(head->weight);
   }
+  if (embed) params.push_back(embed->weight);
   mx::eval(params);
   for (auto& a : params) {
     if (!a.flags().row_contiguous) {
@@ -737,6 +781,18 @@ std::shared_ptr<StackParams> make_stack_params(std::vector<mx::array> params, st
     out.head_type = head->type;
     out.head_rows = V;
     out.head_eps = head->eps;
+    at += 2;
+  }
+  if (embed) {
+    const mx::array& table = params[at];
+    const int64_t V = table.ndim() == 2 ? table.shape(0) : 0;
+    if (V <= 0) refuse("the token table must be a matrix [vocab, " + std::to_string(out.D) + "], got " + shape_str(table.shape()));
+    expect_weight(table, "the token table", embed->type, V, out.D);
+    out.embed_weight = table.data<uint8_t>();
+    out.embed_type = embed->type;
+    out.embed_rows = V;
+    out.embed_scaled = embed->scale.has_value();
+    out.embed_scale = embed->scale.value_or(1.0f);
   }
   out.specs = std::move(specs);
   out.arrays = std::move(params);
@@ -757,8 +813,13 @@ std::vector<mx::array> decoder_stack_step_op(const mx::array& x, const std::opti
   if (s.device != mx::Device::cpu) refuse("runs on CPU streams only");
   const bool row_positions = positions.has_value();
   const size_t n = params->specs.size();
-  const int D = check_x(x);
-  if (D != params->D) refuse("x must be float32 [B, 1, " + std::to_string(params->D) + "], got " + shape_str(x.shape()));
+  if (params->embed_rows) {
+    if (x.ndim() != 2 || x.shape(1) != 1 || (x.dtype() != mx::int32 && x.dtype() != mx::uint32))
+      refuse("the token ids must be int32 or uint32 [B, 1] (one new position a sequence), got " +
+             shape_str(x.shape()));
+  } else if (check_x(x) != params->D) {
+    refuse("x must be float32 [B, 1, " + std::to_string(params->D) + "], got " + shape_str(x.shape()));
+  }
   const int B = x.shape(0), G = params->specs[0].kv_heads, hd = params->specs[0].head_dim;
   for (size_t b = 1; b < n; ++b)
     if (params->specs[b].kv_heads != G || params->specs[b].head_dim != hd)
@@ -859,7 +920,8 @@ void register_decode_step(nb::module_& m) {
           "__init__",
           [](StackParamsHandle* self, const std::vector<mx::array>& params, const std::vector<int>& ints,
              const std::vector<float>& floats, std::optional<mx::array> head_gain, std::optional<mx::array> head_weight,
-             int head_type, float head_eps) {
+             int head_type, float head_eps, std::optional<mx::array> embed_weight, int embed_type,
+             std::optional<float> embed_scale) {
             if (ints.empty() || ints.size() % kSpecInts || floats.size() * kSpecInts != ints.size() * kSpecFloats)
               refuse("ints and floats must hold " + std::to_string(kSpecInts) + " and " +
                      std::to_string(kSpecFloats) + " numbers a block");
@@ -870,10 +932,13 @@ void register_decode_step(nb::module_& m) {
               specs.push_back(spec_from(ints.data() + b * kSpecInts, floats.data() + b * kSpecFloats, 0, false));
             std::optional<HeadArgs> head;
             if (head_gain) head = HeadArgs{*head_gain, *head_weight, head_type, head_eps};
-            new (self) StackParamsHandle{make_stack_params(params, std::move(specs), head)};
+            std::optional<EmbedArgs> embed;
+            if (embed_weight) embed = EmbedArgs{*embed_weight, embed_type, embed_scale};
+            new (self) StackParamsHandle{make_stack_params(params, std::move(specs), head, embed)};
           },
           nb::arg("params"), nb::arg("ints"), nb::arg("floats"), nb::kw_only(), nb::arg("head_gain") = nb::none(),
-          nb::arg("head_weight") = nb::none(), nb::arg("head_type") = -1, nb::arg("head_eps") = 1e-5f)
+          nb::arg("head_weight") = nb::none(), nb::arg("head_type") = -1, nb::arg("head_eps") = 1e-5f,
+          nb::arg("embed_weight") = nb::none(), nb::arg("embed_type") = -1, nb::arg("embed_scale") = nb::none())
       .def("__len__", [](const StackParamsHandle& h) { return h.params->specs.size(); });
 
   m.def(
