@@ -326,7 +326,7 @@ class CausalLM(Layer):
             fused = getattr(self.backbone, "fused_logits", None)
             logits = None if fused is None else fused(device, ids, cache, self.output_head)
             if logits is not None:
-                return Data(logits, MTLSize(self.vocab_size, 1, b))
+                return Data(logits, MTLSize(logits.shape[-1], 1, b))
         h = self.compile_child(self.backbone, device, Data(ids), cache=cache)
         if last_only and t > 1:
             t = 1
