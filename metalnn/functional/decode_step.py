@@ -251,6 +251,21 @@ class StackCache:
     def values(self, slot: int):
         return self.buffer[slot, 1]
 
+    def write(self, slot: int, start: int, keys, values) -> bool:
+        """Write ``keys`` / ``values`` ``[B, kv_heads, T, head_dim]`` at columns ``start ..
+        start + T`` of block ``slot`` (a slice update of the buffer: in place when nothing else holds
+        it, as a bound cache's multi-position update, e.g. verifying draft tokens, needs); False
+        (nothing written) where they do not fit: another shape or dtype, or past the capacity."""
+        shape = self.buffer.shape
+        t = keys.shape[2]
+        want = (shape[2], shape[3], t, shape[5])
+        if (keys.shape != want or values.shape != want or keys.dtype != mx.float32 or values.dtype != mx.float32
+                or start + t > shape[4]):
+            return False
+        self.buffer[slot, 0, :, :, start:start + t, :] = keys
+        self.buffer[slot, 1, :, :, start:start + t, :] = values
+        return True
+
     def holds(self, caches, batch: int, positions: int) -> bool:
         """Whether ``caches`` are this store's (in its order, all still bound), for ``batch`` rows and
         with room for ``positions`` positions."""

@@ -80,7 +80,9 @@ class KVCache:
         """Keep this cache's keys and values in ``store`` until `unbind`: ``store.keys(slot)`` and
         ``store.values(slot)`` give them (``[B, Hkv, capacity, head_dim]``; ``store`` holds what the
         cache held, its own buffers are dropped). The owner of ``store`` writes new positions there
-        and counts them with `count_written`; `offset` and the lengths stay the cache's."""
+        and counts them with `count_written`; `offset` and the lengths stay the cache's.
+        `update_and_fetch` writes into the store too (``store.write(slot, start, k, v)``, which may
+        decline: the cache then takes its keys and values back first)."""
         self._store, self._slot = store, int(slot)
         self._keys = self._values = None
 
@@ -129,6 +131,10 @@ class KVCache:
         """Append ``k``, ``v`` (``[B, Hkv, T, head_dim]``; ``v``'s last axis may differ); return all
         cached keys and values."""
         prev, t = self.offset, k.shape[2]
+        if self._store is not None and self._store.write(self._slot, prev, k, v):  # (a bound cache: in its store)
+            self.count_written(t)
+            n = self.offset
+            return self._store.keys(self._slot)[..., :n, :], self._store.values(self._slot)[..., :n, :]
         keys, values = self.buffers_for(k.shape[0], k.shape[1], k.shape[3], t, k.dtype, v.shape[3])
         keys[..., prev:prev + t, :] = k
         values[..., prev:prev + t, :] = v

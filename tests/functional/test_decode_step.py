@@ -336,6 +336,29 @@ def test_cache_is_written_in_place(tmp_path):
         assert (np.abs(keys[:, :, 3:9]).max(axis=-1) > 0).all()
 
 
+def test_several_positions_go_into_the_stack_cache_in_place(tmp_path):
+    # after fused steps the caches are bound to one buffer; a call of several positions (verifying
+    # draft tokens) writes them into that buffer, in place, and the caches stay bound, so the next
+    # fused step needs no copy of every layer's cache; the logits are those of the whole sequence
+    # run at once (a relative 2e-4: the fused step's sums run in another order)
+    model, cache = prefilled_llama(tmp_path)
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    for t in toks[3:5]:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    store = cache[0].store
+    before = np.array(store.buffer, copy=False).__array_interface__["data"][0]
+    several = model(mx.array([toks[5:8]]), cache=cache)
+    mx.eval(several)
+    assert all(c.store is store for c in cache) and [c.offset for c in cache] == [8] * len(cache)
+    assert np.array(store.buffer, copy=False).__array_interface__["data"][0] == before
+    last = model(mx.array([toks[8:]]), cache=cache)
+    mx.eval(last)
+    assert np.array(store.buffer, copy=False).__array_interface__["data"][0] == before
+    want = np.array(model(mx.array([toks])))
+    got = np.concatenate([np.array(several), np.array(last)], axis=1)
+    assert np.abs(got - want[:, 5:]).max() <= 2e-4 * np.abs(want).max()
+
+
 def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
     # the stack runs each block's native step as decoder_block_step does: the same numbers, bit for
     # bit (same kernels, same order); also for a batch of sequences of different lengths
