@@ -12,7 +12,7 @@ This package owns the choice and the fallbacks; `metalnn.kernels` only launches 
 
 from .activations import activation, check_activation, gated_activation
 from .attention import attention, attention_reference, causal_mask
-from .decode_step import BlockStep, StackEmbedding, StackHead, decoder_block_step, decoder_stack_step
+from .decode_step import BlockStep, StackCache, StackEmbedding, StackHead, decoder_block_step, decoder_stack_step
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from .gated_delta import gated_delta_rule
 from .gather import gather_matmul
@@ -26,7 +26,7 @@ from .ssd import ssd_scan
 
 __all__ = ["activation", "check_activation", "gated_activation", "attention", "attention_reference", "causal_mask",
            "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-           "BlockStep", "StackEmbedding", "StackHead", "decoder_block_step", "decoder_stack_step",
+           "BlockStep", "StackCache", "StackEmbedding", "StackHead", "decoder_block_step", "decoder_stack_step",
            "gated_delta_rule", "gather_matmul", "ggml_matmul", "ggml_dequantize", "ggml_int8_inputs", "cross_entropy_rows", "adamw_update", "quantize_weight", "dequantize_weight",
            "quantized_matmul", "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
            "rope", "rope_reference", "ssd_scan"]

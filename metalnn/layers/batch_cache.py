@@ -20,6 +20,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from .. import functional as F
 from .attention import KVCache
 from .state_cache import StateCache
 
@@ -206,16 +207,79 @@ def _merge_kv(caches) -> BatchKVCache:
     return BatchKVCache(stack(0), stack(1), [n for r in rows for n in r[2]])
 
 
+def _store_of(caches):
+    """The `metalnn.functional.StackCache` that every cache of ``caches`` is bound to (in its
+    order), or None."""
+    store = getattr(caches[0], "store", None) if caches else None
+    if not isinstance(store, F.StackCache) or len(store.caches) != len(caches):
+        return None
+    return store if all(c is d and c.store is store for c, d in zip(caches, store.caches)) else None
+
+
+def _row_lengths(cache, rows: int) -> list:
+    return list(cache.lengths) if isinstance(cache, BatchKVCache) else [cache.offset] * rows
+
+
+def _bound_caches(count: int, lengths: list, buffer) -> list:
+    """``count`` `BatchKVCache` s of rows of ``lengths``, bound to one new `StackCache` of ``buffer``."""
+    out = []
+    for _ in range(count):
+        c = BatchKVCache()
+        c.lengths, c._before = list(lengths), list(lengths)
+        out.append(c)
+    F.StackCache(out, buffer)
+    return out
+
+
+def _merge_stored(groups: list) -> list | None:
+    """`merge_rows` of attention-cache groups of which at least one is bound to a `StackCache` (a
+    batch being decoded): the merged rows go straight into one new stack buffer, so that decoding
+    resumes without gathering every layer's cache again; None where the groups do not fit one
+    buffer (other layouts or dtypes: the caller merges layer by layer)."""
+    stores = [_store_of(g) for g in groups]
+    layout = next(s.buffer.shape for s in stores if s is not None)
+    layers, _, _, heads, _, width = layout
+    parts, lengths = [], []
+    for g, store in zip(groups, stores):
+        if store is not None:
+            rows = store.buffer.shape[2]
+            n = max(_row_lengths(g[0], rows), default=0)
+            parts.append(store.buffer[..., :n, :])
+        else:
+            if g[0].keys is None:
+                continue
+            rows = g[0].keys.shape[0]
+            n = max(_row_lengths(g[0], rows), default=0)
+            if any(c.keys is None or c.keys.dtype != mx.float32 or c.keys.shape[:2] != (rows, heads)
+                   or c.keys.shape[3] != width or c.values.shape[3] != width or c.keys.shape[2] < n for c in g):
+                return None
+            parts.append(mx.stack([mx.stack([c.keys[..., :n, :], c.values[..., :n, :]]) for c in g]))
+        lengths += _row_lengths(g[0], rows)
+    cap = _capacity(max(lengths, default=0))
+    buffer = mx.zeros((layers, 2, len(lengths), heads, cap, width), mx.float32)
+    row = 0
+    for part in parts:
+        b, n = part.shape[2], part.shape[4]
+        buffer[:, :, row:row + b, :, :n, :] = part
+        row += b
+    return _bound_caches(layers, lengths, buffer)
+
+
 def merge_rows(caches_per_group: Sequence[list]) -> list:
     """One cache list holding the rows of several: ``caches_per_group`` is a list of per-layer cache
     lists (each from ``model.make_cache()``, filled by a prompt, or an earlier merge), in row order.
-    Returns the per-layer list of merged caches (`BatchKVCache` for attention layers)."""
+    Returns the per-layer list of merged caches (`BatchKVCache` for attention layers; when a group is
+    a batch whose caches are bound to a stack buffer, the merged caches are bound to a new one)."""
     groups = [g for g in caches_per_group if g is not None]
     if not groups:
         raise ValueError("merge_rows: no caches to merge")
     layers = len(groups[0])
     if any(len(g) != layers for g in groups):
         raise ValueError(f"merge_rows: cache lists of different lengths {[len(g) for g in groups]}")
+    if any(_store_of(g) is not None for g in groups) and all(isinstance(c, KVCache) for g in groups for c in g):
+        merged = _merge_stored(groups)
+        if merged is not None:
+            return merged
     merged = []
     for i in range(layers):
         column = [g[i] for g in groups]
@@ -230,11 +294,24 @@ def merge_rows(caches_per_group: Sequence[list]) -> list:
 
 def keep_rows(caches: list, rows: Sequence[int]) -> list:
     """The per-layer caches of ``caches`` (a merged list) restricted to ``rows`` (in that order), in
-    new buffers sized for the longest remaining row."""
+    new buffers sized for the longest remaining row (caches bound to a stack buffer: in a new stack
+    buffer, bound to it)."""
     rows = [int(r) for r in rows]
     if not rows:
         return [type(c)() if isinstance(c, StateCache) else BatchKVCache() for c in caches]
     idx = mx.array(rows, dtype=mx.int32)
+    store = _store_of(caches)
+    if store is not None:  # (a batch being decoded: its rows taken from the stack buffer in one go)
+        lengths = _row_lengths(caches[0], store.buffer.shape[2])
+        lengths = [lengths[r] for r in rows]
+        cap = _capacity(max(lengths))
+        buffer = store.buffer[:, :, idx]  # (indexing: twice as fast as mx.take here)
+        used = min(cap, buffer.shape[4])
+        if used < buffer.shape[4]:
+            buffer = mx.contiguous(buffer[..., :used, :])  # (the stack step writes contiguous buffers in place)
+        if cap > used:
+            buffer = mx.pad(buffer, [(0, 0)] * 4 + [(0, cap - used), (0, 0)])
+        return _bound_caches(len(caches), lengths, buffer)
     out = []
     for c in caches:
         if isinstance(c, StateCache):

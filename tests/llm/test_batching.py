@@ -365,3 +365,44 @@ def test_pipelined_steps_write_the_caches_in_place(checkpoints, monkeypatch):
     assert len(queued_behind) >= 8 and all(queued_behind), queued_behind
     assert len(buffers) >= 8 and len(set(buffers[1:])) == 1, buffers
     assert [s.tokens for s in seqs] == [greedy_alone(model, p, 12) for p in prompts]
+
+
+def test_keep_and_merge_rows_of_a_decoding_batch_stay_in_one_buffer(checkpoints):
+    """After fused steps a batch's caches are bound to one stack buffer (`metalnn.functional.StackCache`);
+    `keep_rows` and `merge_rows` of them give caches bound to a new one holding the same rows, so
+    the next step needs no gathering of every layer's cache (a copy of all of them a join or leave)."""
+    from metalnn.cpu import decode_step as native
+    from native_platform import require_native
+
+    require_native(native.available(), "the fused decoding step")
+    _, model = checkpoints("llama_gqa")
+    groups = []
+    for prompt in ([5, 9, 2], [7, 1, 3, 8, 4]):
+        caches = model.make_cache()
+        mx.eval(model(mx.array([prompt]), cache=caches))
+        groups.append(caches)
+    batch = merge_rows(groups)
+    mx.eval(model(mx.array([[3], [4]]), cache=batch))
+    store = batch[0].store
+    assert isinstance(store, mn.functional.StackCache) and all(c.store is store for c in batch)
+    before = np.array(store.buffer)                                  # [layers, 2, rows, heads, capacity, width]
+    kept = keep_rows(batch, [1])
+    kept_store = kept[0].store
+    assert kept_store is not store and all(c.store is kept_store for c in kept)
+    assert [c.lengths for c in kept] == [[6]] * len(kept)
+    np.testing.assert_array_equal(np.array(kept_store.buffer)[:, :, 0, :, :6], before[:, :, 1, :, :6])
+    fresh = model.make_cache()
+    mx.eval(model(mx.array([[2, 6]]), cache=fresh))
+    merged = merge_rows([kept, fresh])
+    merged_store = merged[0].store
+    assert all(c.store is merged_store for c in merged) and [c.lengths for c in merged] == [[6, 2]] * len(merged)
+    got = np.array(merged_store.buffer)
+    np.testing.assert_array_equal(got[:, :, 0, :, :6], before[:, :, 1, :, :6])
+    for i, c in enumerate(fresh):
+        np.testing.assert_array_equal(got[i, 0, 1, :, :2], np.array(c.keys)[0, :, :2])
+        np.testing.assert_array_equal(got[i, 1, 1, :, :2], np.array(c.values)[0, :, :2])
+    # the merged batch decodes on from there as the rows' own caches would
+    step = model(mx.array([[9], [9]]), cache=merged)
+    assert all(c.store is merged_store for c in merged) and merged[0].lengths == [7, 3]
+    alone = model(mx.array([[9]]), cache=fresh)
+    np.testing.assert_allclose(np.array(step)[1], np.array(alone)[0], rtol=1e-4, atol=1e-5)
