@@ -210,7 +210,8 @@ def decoder_block_step(x, step: BlockStep, cache, device=None):
 def _stack_blocks(steps, head: StackHead | None, embedding: StackEmbedding | None) -> native.StackBlocks | None:
     """The plans' native stack arguments (and the head's and token table's), worked out once per
     list of plans, head and table (kept with the first plan); None when a plan's parameters, the
-    head or the table do not run natively."""
+    head or the table do not run natively, or the blocks' caches differ in layout (one stack buffer
+    holds them all)."""
     p = steps[0].prepared
     cached = p.get("stack")
     if (cached is not None and cached[2] is head and cached[3] is embedding and len(cached[0]) == len(steps)
@@ -218,7 +219,8 @@ def _stack_blocks(steps, head: StackHead | None, embedding: StackEmbedding | Non
         return cached[1]
     prepared = [_prepared(s) for s in steps]
     blocks = None
-    if (all(q["ok"] for q in prepared) and (head is None or head.runs_natively())
+    uniform = all(s.kv_heads == steps[0].kv_heads and s.head_dim == steps[0].head_dim for s in steps)
+    if (uniform and all(q["ok"] for q in prepared) and (head is None or head.runs_natively())
             and (embedding is None or embedding.runs_natively())):
         blocks = native.StackBlocks([
             dict(gains=s.gains, weights=q["weights"], types=q["types"], biases=q["biases"], inv_freq=q["inv_freq"],
@@ -296,11 +298,6 @@ class StackCache:
         return cls(caches, buffer)
 
 
-def _uniform_layout(steps) -> bool:
-    first = steps[0]
-    return all(s.kv_heads == first.kv_heads and s.head_dim == first.head_dim for s in steps)
-
-
 def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = None,
                        embedding: StackEmbedding | None = None):
     """Consecutive blocks (``steps``, one `BlockStep` each) for ``x`` ``[B, 1, D]`` (with
@@ -326,7 +323,7 @@ def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = N
         same = all(type(c) is kind and c.lengths == lengths for c in caches)
     else:
         same = all(type(c) is kind and c.offset == offset for c in caches)
-    if not same or not _uniform_layout(steps):
+    if not same:
         return None
     blocks = _stack_blocks(steps, head, embedding)
     if blocks is None:

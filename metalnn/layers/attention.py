@@ -86,6 +86,16 @@ class KVCache:
         self._store, self._slot = store, int(slot)
         self._keys = self._values = None
 
+    def _write_to_store(self, start: int, k, v):
+        """For a bound cache: ``k``, ``v`` written at ``start`` in its store and counted; returns
+        all cached keys and values (as `update_and_fetch`). None (nothing done) for an unbound cache
+        or where the store declines them."""
+        if self._store is None or not self._store.write(self._slot, start, k, v):
+            return None
+        self.count_written(k.shape[2])
+        n = self.offset
+        return self._store.keys(self._slot)[..., :n, :], self._store.values(self._slot)[..., :n, :]
+
     def unbind(self):
         """End a `bind`: the cache takes views of its keys and values in the store as its own buffers."""
         store = self._store
@@ -131,10 +141,9 @@ class KVCache:
         """Append ``k``, ``v`` (``[B, Hkv, T, head_dim]``; ``v``'s last axis may differ); return all
         cached keys and values."""
         prev, t = self.offset, k.shape[2]
-        if self._store is not None and self._store.write(self._slot, prev, k, v):  # (a bound cache: in its store)
-            self.count_written(t)
-            n = self.offset
-            return self._store.keys(self._slot)[..., :n, :], self._store.values(self._slot)[..., :n, :]
+        stored = self._write_to_store(prev, k, v)
+        if stored is not None:
+            return stored
         keys, values = self.buffers_for(k.shape[0], k.shape[1], k.shape[3], t, k.dtype, v.shape[3])
         keys[..., prev:prev + t, :] = k
         values[..., prev:prev + t, :] = v

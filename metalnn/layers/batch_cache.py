@@ -81,10 +81,9 @@ class BatchKVCache(KVCache):
         b, t = k.shape[0], k.shape[2]
         if b != len(self.lengths):
             raise ValueError(f"BatchKVCache: {b} rows of new keys for a cache of {len(self.lengths)} rows")
-        if self._store is not None and not self.ragged and self._store.write(self._slot, self.lengths[0], k, v):
-            self.count_written(t)  # (a bound cache, every row at one position: written in its store)
-            n = self.offset
-            return self._store.keys(self._slot)[..., :n, :], self._store.values(self._slot)[..., :n, :]
+        stored = None if self.ragged else self._write_to_store(self.lengths[0], k, v)  # (rows at one position)
+        if stored is not None:
+            return stored
         self._before = list(self.lengths)
         need = max(self.lengths) + t
         if self.keys is None or need > self.keys.shape[2]:
