@@ -44,12 +44,15 @@ _ext = _native_ext.extension()
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _CPU = mx.DeviceType.cpu
 
-#: Rows of ``x`` (all dims but the last, multiplied) up to which `matmul` is at least as fast as
-#: ``x @ dequantize(W).T`` with MLX's BLAS product (OpenBLAS); with more rows the dequantized product
-#: wins, at the cost of a float copy of the weight. Measured by ``scripts/bench_ggml.py`` on
-#: SmolLM2-135M's shapes (Q4_K, Q6_K, Q5_0, Q8_0, IQ4_XS; one thread for both): the native product
-#: takes 0.2-0.3x the time at 1 row, 0.5-0.65x at 8, 0.8-0.9x at 32, 0.9-1.0x at 64 and 1.0-1.1x at 96.
-MATMUL_MAX_ROWS = 64
+#: Rows of ``x`` (all dims but the last, multiplied) up to which `matmul` runs; with more rows
+#: ``x @ dequantize(W).T`` (MLX's BLAS product, OpenBLAS) runs instead, at the cost of decoding the
+#: whole weight to a float copy on every call. Measured on whole models (a prompt of R tokens, two
+#: threads, 2026-11-28): SmolLM2-135M Q4_1 takes the same time both ways at 192-256 rows, the BLAS
+#: product is 1.1x faster at 384-512; on a 1B Llama (Q8_0, Q4_K_M) the native product is 2.5x faster
+#: at 96 rows and 1.4x at 256, the BLAS product 1.1x faster at 512 (the float copy of 1.2 G weights
+#: costs seconds). The products alone (``scripts/bench_ggml.py``, one thread each) cross at 64-96 rows:
+#: inside a model the BLAS threads' spinning and the copy cost more than they do alone.
+MATMUL_MAX_ROWS = 256
 
 
 def available() -> bool:
