@@ -2,7 +2,7 @@
 `merge_rows` / `keep_rows` over a model's per-layer cache list.
 
 A server decodes every running request in one batched step. Each request's prompt is first run
-alone into its own caches (`KVCache`, a `StateCache` such as `GatedDeltaCache`); `merge_rows` then adds those rows to the
+into its own caches (several short prompts together: `sequence_rows` makes their rows one batch) (`KVCache`, a `StateCache` such as `GatedDeltaCache`); `merge_rows` then adds those rows to the
 batch's caches, and `keep_rows` drops the rows of finished requests.
 
 Attention caches are left-aligned: row ``b`` holds its positions in columns ``[0, lengths[b])`` of
@@ -24,7 +24,7 @@ from .. import functional as F
 from .attention import KVCache
 from .state_cache import StateCache
 
-__all__ = ["BatchKVCache", "merge_rows", "keep_rows"]
+__all__ = ["BatchKVCache", "merge_rows", "keep_rows", "sequence_rows"]
 
 
 def _capacity(n: int) -> int:
@@ -326,4 +326,36 @@ def keep_rows(caches: list, rows: Sequence[int]) -> list:
         k = mx.pad(keys[idx][..., :used, :], [(0, 0), (0, 0), (0, cap - used), (0, 0)])
         v = mx.pad(values[idx][..., :used, :], [(0, 0), (0, 0), (0, cap - used), (0, 0)])
         out.append(BatchKVCache(k, v, lengths))
+    return out
+
+
+def sequence_rows(caches_per_sequence: Sequence[list]) -> list:
+    """Per-layer `BatchKVCache` s with one row per sequence, in order, to run several sequences'
+    next positions together: each sequence's caches are a ``model.make_cache()`` list of plain
+    `KVCache` s, empty (a row of no positions) or holding that sequence's positions (e.g. a prefix
+    cache's match)."""
+    if not caches_per_sequence:
+        raise ValueError("sequence_rows: no sequences")
+    layers = len(caches_per_sequence[0])
+    if any(len(c) != layers for c in caches_per_sequence):
+        raise ValueError(f"sequence_rows: cache lists of different lengths {[len(c) for c in caches_per_sequence]}")
+    out = []
+    for i in range(layers):
+        column = [caches[i] for caches in caches_per_sequence]
+        if any(type(c) is not KVCache or (c.keys is not None and c.keys.shape[0] != 1) for c in column):
+            raise TypeError(f"sequence_rows: layer {i} needs one-sequence KVCache s, got "
+                            f"{sorted({type(c).__name__ for c in column})}")
+        lengths = [c.offset if c.keys is not None else 0 for c in column]
+        filled = next((c for c in column if c.keys is not None), None)
+        if filled is None:
+            out.append(BatchKVCache(None, None, lengths))
+            continue
+        cap = _capacity(max(lengths))
+
+        def rows(name):
+            like = getattr(filled, name)
+            parts = [mx.pad(getattr(c, name)[..., :n, :], [(0, 0), (0, 0), (0, cap - n), (0, 0)]) if n
+                     else mx.zeros(like.shape[:2] + (cap, like.shape[3]), like.dtype) for c, n in zip(column, lengths)]
+            return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        out.append(BatchKVCache(rows("keys"), rows("values"), lengths))
     return out

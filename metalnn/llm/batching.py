@@ -5,7 +5,14 @@ Each `BatchGenerator.step`:
 
 1. runs one chunk (``prefill_chunk`` tokens) of the oldest waiting prompt into that sequence's own
    caches; when its prompt is done, the sequence's first token is sampled and its caches join the
-   batch (`metalnn.layers.batch_cache.merge_rows`: left-aligned rows, see there);
+   batch (`metalnn.layers.batch_cache.merge_rows`: left-aligned rows, see there). When several
+   prompts wait whose rests fit one chunk together (right-padded to the longest, at most
+   ``prefill_chunk`` tokens in all), they run as one ``[n, T]`` pass instead, each row from its own
+   prefix-cache match (`metalnn.layers.batch_cache.sequence_rows`), the padding taken back out of
+   the caches: one pass costs much less than n short ones (a short prompt is bound by everything
+   around its products, as a decoding step is), so requests that arrive together get their first
+   tokens together. Models with recurrent layers (the padding would enter their states) run
+   prompts one at a time;
 2. decodes one token of every sequence in the batch as one ``[B, 1]`` forward pass (one read of the
    weights for all of them: on a small machine decoding is bound by reading the weights, so B
    sequences cost little more than one).
@@ -52,7 +59,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..layers.batch_cache import BatchKVCache, keep_rows, merge_rows
+from ..layers.attention import KVCache
+from ..layers.batch_cache import BatchKVCache, keep_rows, merge_rows, sequence_rows
 from .text_pieces import CANCELLED, LENGTH, STOP  # a sequence's finish_reason
 
 __all__ = ["BatchGenerator", "Sequence", "Event", "greedy", "PromptLookup", "DraftModel"]
@@ -168,6 +176,8 @@ class BatchGenerator:
         self._running: list = []         # sequences in the batch, in row order
         self._caches: list | None = None  # the batch's per-layer caches
         self._last: list = []            # each running row's last token (the next step's input)
+        # prompts may run together (padded) only where every layer's cache is a plain KVCache
+        self._prompts_together = all(type(c) is KVCache for c in model.make_cache())
 
     # -- membership ----------------------------------------------------------------------------
     def add(self, prompt, max_tokens: int, *, eos=(), state=None, adapter: str | None = None) -> Sequence:
@@ -226,7 +236,8 @@ class BatchGenerator:
         events, self._carry = self._carry, []
         if self._waiting and len(self._running) < self.max_batch:
             events += self._flush()  # the batch changes: read the queued step first
-            events += self._prefill_chunk(self._waiting[0])
+            group = self._prompt_group()
+            events += self._prefill_group(group) if len(group) > 1 else self._prefill_chunk(self._waiting[0])
         if not self._running:
             return events + self._flush()
         if self._pipelines():
@@ -321,6 +332,57 @@ class BatchGenerator:
         else:
             seq._caches = None
         return [event]
+
+    def _prompt_group(self) -> list:
+        """The waiting sequences whose prompts run together now: from the front of the queue, as
+        many as there are free rows whose rests, right-padded to the longest, take at most
+        ``prefill_chunk`` tokens in all (one sequence, or none, where prompts run one at a time)."""
+        if not self._prompts_together or len(self._waiting) < 2:
+            return []
+        free, limit = self.max_batch - len(self._running), self.model.max_positions
+        group, width = [], 0
+        for seq in self._waiting:
+            if len(group) == free:
+                break
+            if seq._caches is None:
+                self._start(seq)
+            wider = max(width, len(seq.prompt) - seq._done)
+            if (len(group) + 1) * wider > self.prefill_chunk:
+                break
+            if limit is not None and max([s._done for s in group] + [seq._done]) + wider > limit:
+                break
+            group.append(seq)
+            width = wider
+        return group
+
+    def _prefill_group(self, group: list) -> list:
+        """The rests of ``group`` 's prompts as one right-padded ``[n, T]`` pass (see `_prompt_group`);
+        each sequence's first token sampled, those that go on join the batch."""
+        rests = [seq.prompt[seq._done:] for seq in group]
+        width = max(len(r) for r in rests)
+        caches = sequence_rows([seq._caches for seq in group])
+        ids = mx.array([r + [0] * (width - len(r)) for r in rests], dtype=mx.int32)
+        with self._selected(group):  # (the output head reads each row's last prompt position only)
+            logits = self.model(ids, cache=caches, device=self.device, last_only=[len(r) - 1 for r in rests])
+        for c in caches:  # the padding's positions taken back
+            c.rewind([width - len(r) for r in rests])
+        tokens = self.sample(group, logits[:, -1, :])
+        events, going_on = [], []
+        for row, (seq, token) in enumerate(zip(group, tokens)):
+            self._waiting.popleft()  # (the group is the front of the queue, in order)
+            seq._done, seq._caches = len(seq.prompt), None
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(seq.prompt, keep_rows(caches, [row]), adapter=seq.adapter)
+            events.append(self._record(seq, token))
+            if seq.finish_reason is None:
+                going_on.append(row)
+        if going_on:
+            joining = caches if len(going_on) == len(group) else keep_rows(caches, going_on)
+            self._caches = merge_rows(([self._caches] if self._caches is not None else []) + [joining])
+            for row in going_on:
+                self._running.append(group[row])
+                self._last.append(group[row].tokens[-1])
+        return events
 
     def _join(self, seq: Sequence):
         groups = [self._caches] if self._caches is not None else []

@@ -406,3 +406,86 @@ def test_keep_and_merge_rows_of_a_decoding_batch_stay_in_one_buffer(checkpoints)
     assert all(c.store is merged_store for c in merged) and merged[0].lengths == [7, 3]
     alone = model(mx.array([[9]]), cache=fresh)
     np.testing.assert_allclose(np.array(step)[1], np.array(alone)[0], rtol=1e-4, atol=1e-5)
+
+
+def spy_widths(model, monkeypatch) -> list:
+    """The shapes of the token arrays ``model`` is called with, from now on (a list that grows)."""
+    shapes, real = [], type(model).__call__
+
+    def spy(self, tokens, *args, **kwargs):
+        if self is model:
+            shapes.append(tuple(np.shape(tokens)))
+        return real(self, tokens, *args, **kwargs)
+    monkeypatch.setattr(type(model), "__call__", spy)
+    return shapes
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prompts_waiting_together_run_as_one_pass(checkpoints, family, monkeypatch):
+    hf, model = checkpoints(family)
+    # five prompts arrive at once (rests of 2 to 13 tokens: 5 x 13 = 65 padded tokens, within the
+    # chunk of 80), two more while those decode
+    sequences = make_sequences(5, [4, 13, 2, 7, 9, 3, 6], [5, 3, 8, 4, 6, 5, 2])
+    shapes = spy_widths(model, monkeypatch)
+    got = run_batch(model, sequences, [0, 0, 0, 0, 0, 3, 3], prefill_chunk=80)
+    check(hf, got, sequences)
+    prompt_passes = [s for s in shapes if s[-1] > 1]
+    if family == "qwen3_5_hybrid":  # recurrent states: one prompt at a time
+        assert prompt_passes == [(1, n) for n in (4, 13, 2, 7, 9, 3, 6)]
+    else:
+        assert prompt_passes == [(5, 13), (2, 6)]
+
+
+def test_prompts_together_with_and_without_a_prefix_cache_match(checkpoints, monkeypatch):
+    hf, model = checkpoints("llama_gqa")
+    rng = np.random.default_rng(6)
+    shared = rng.integers(0, VOCAB, 20).tolist()
+    cache = PrefixCache(min_tokens=8)
+    run_batch(model, [(shared + [1, 2], 21)], [0], prefix_cache=cache)  # stores the shared beginning
+    # two prompts branching off after it (their rests: 5 and 2 tokens after a 20-position row) and
+    # one that matches nothing (12 tokens from an empty row), waiting together; the first ends at
+    # its first token (one new token) and never joins
+    sequences = [(shared + rng.integers(0, VOCAB, 5).tolist(), 25), (shared + rng.integers(0, VOCAB, 4).tolist(), 22),
+                 (rng.integers(0, VOCAB, 17).tolist(), 12), (shared + rng.integers(0, VOCAB, 4).tolist(), 24)]
+    shapes = spy_widths(model, monkeypatch)
+    got = run_batch(model, sequences, [0, 0, 0, 0], prefix_cache=cache, prefill_chunk=64)
+    check(hf, got, sequences)
+    assert [s for s in shapes if s[-1] > 1] == [(4, 12)]
+    assert cache.hits == 3 and cache.hit_tokens == 60
+    # each prompt was stored as computed in the padded pass: a later identical prompt reuses it whole
+    again = run_batch(model, [sequences[2]], [0], prefix_cache=cache)
+    check(hf, again, [sequences[2]])
+    assert cache.hit_tokens == 60 + 11
+
+
+def test_logits_at_each_rows_own_position(checkpoints):
+    _, model = checkpoints("llama_gqa")
+    tokens = mx.array(make_sequences(7, [6, 6], [0, 0])[0][0][:6] * 2).reshape(2, 6)
+    full = model(tokens)
+    got = model(tokens, last_only=[2, 5])
+    assert got.shape == (2, 1, VOCAB)
+    # (the head multiplies 2 rows here and 12 there: the same sums in another order, float32)
+    want = np.array(mx.stack([full[0, 2], full[1, 5]]))
+    assert np.abs(np.array(got[:, 0]) - want).max() <= 1e-5 * np.abs(want).max()
+    for bad in ([1], [0, 6], [-1, 2]):
+        with pytest.raises(ValueError, match="last_only must be True, False or one position"):
+            model(tokens, last_only=bad)
+
+
+def test_sequence_rows_layout_and_errors():
+    from metalnn.layers.batch_cache import sequence_rows
+    from metalnn.layers.attention import KVCache
+    from metalnn.layers.gated_deltanet import GatedDeltaCache
+
+    filled = KVCache()
+    filled.update_and_fetch(mx.ones((1, 2, 3, 4)), 2 * mx.ones((1, 2, 3, 4)))
+    rows = sequence_rows([[KVCache()], [filled], [KVCache()]])
+    assert len(rows) == 1 and rows[0].lengths == [0, 3, 0]
+    keys, values = np.array(rows[0].keys), np.array(rows[0].values)
+    assert keys.shape[:2] == (3, 2) and keys.shape[2] >= 3
+    assert np.all(keys[1, :, :3] == 1) and np.all(values[1, :, :3] == 2) and not keys[[0, 2]].any()
+    assert sequence_rows([[KVCache()], [KVCache()]])[0].lengths == [0, 0]
+    with pytest.raises(TypeError, match="layer 0 needs one-sequence KVCache"):
+        sequence_rows([[GatedDeltaCache()], [KVCache()]])
+    with pytest.raises(ValueError, match="cache lists of different lengths"):
+        sequence_rows([[KVCache()], [KVCache(), KVCache()]])

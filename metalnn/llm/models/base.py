@@ -273,15 +273,17 @@ class CausalLM(Layer):
         return [(0, int(length))] if length > 0 else []
 
     # -- calling -----------------------------------------------------------------------------
-    def __call__(self, tokens, *args, cache=None, device: Device | None = None, last_only: bool = False):
+    def __call__(self, tokens, *args, cache=None, device: Device | None = None, last_only=False):
         """Logits for integer ``tokens`` ``[B, T]`` -> ``[B, T, vocab]`` (``[T]`` -> ``[T, vocab]``);
-        a `Data` of token ids gives `Data` logits. ``last_only``: the logits of the last position
-        alone (``[B, 1, vocab]``, ``[1, vocab]``): the output head reads one position instead of
-        ``T`` (a prompt's first token needs no more)."""
+        a `Data` of token ids gives `Data` logits. ``last_only``: True gives the logits of the last
+        position alone (``[B, 1, vocab]``, ``[1, vocab]``): the output head reads one position instead
+        of ``T`` (a prompt's first token needs no more); a list of ``B`` positions gives row ``b``'s
+        logits at position ``last_only[b]`` (right-padded prompts of different lengths run together)."""
         if args:
             raise TypeError(f"{self._describe()}: call it as model(tokens, cache=..., device=...); options are "
                             "keywords")
-        options = {"last_only": True} if last_only else {}  # (forward overrides need not know the option)
+        last_only = bool(last_only) if last_only is None or isinstance(last_only, bool) else list(last_only)
+        options = {"last_only": last_only} if last_only is not False else {}  # (overrides need not know it)
         if isinstance(tokens, Data):
             return self.compile(device, tokens, cache=cache, **options)
         tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
@@ -314,12 +316,13 @@ class CausalLM(Layer):
         h = h.reshape(b, t, -1)
         return h[0] if tokens.ndim == 1 else h
 
-    def forward(self, device, data, cache=None, last_only: bool = False):
+    def forward(self, device, data, cache=None, last_only=False):
         """Token ids ``(W=T, H=1, D=B)`` -> logits ``(W=vocab, H=T, D=B)`` (``H=1`` with
-        ``last_only``: the last position's)."""
+        ``last_only``: the last position's, or each row's position of the list)."""
         ids = self._token_batch(data)
         b, t = ids.shape
         self._check_positions(cache, t)
+        rows = None if isinstance(last_only, bool) else self._row_positions(last_only, b, t)
         if cache is not None and t == 1 and self.logit_softcap is None:
             # one new position a sequence: the blocks, final norm and head as one fused node where
             # the backbone has that step and it runs them (`DecoderStack.fused_logits`)
@@ -328,9 +331,14 @@ class CausalLM(Layer):
             if logits is not None:
                 return Data(logits, MTLSize(logits.shape[-1], 1, b))
         h = self.compile_child(self.backbone, device, Data(ids), cache=cache)
-        if last_only and t > 1:
+        if last_only is not False and t > 1:
+            h3 = h.array.reshape(b, h.dims.H, -1)
+            if last_only is True:
+                h3 = h3[:, -1:, :]
+            else:  # (row b's position last_only[b])
+                h3 = mx.take_along_axis(h3, rows[:, None, None], axis=1)
             t = 1
-            h = Data(h.array.reshape(b, h.dims.H, -1)[:, -1:, :], MTLSize(h.dims.W, 1, b))
+            h = Data(h3, MTLSize(h.dims.W, 1, b))
         if self.tie_word_embeddings:
             logits = Data(self.input_embeddings.as_linear(h.array, device=device), MTLSize(self.vocab_size, t, b))
         else:
@@ -339,6 +347,14 @@ class CausalLM(Layer):
         if cap is None:
             return logits
         return Data(mx.tanh(logits.array / cap) * cap, logits.dims)
+
+    def _row_positions(self, positions, b: int, t: int) -> mx.array:
+        """``last_only``'s list of one position per row (``b`` rows of ``t`` positions), checked: int32 ``[b]``."""
+        positions = [int(p) for p in positions]
+        if len(positions) != b or any(not 0 <= p < t for p in positions):
+            raise ValueError(f"{self._describe()}: last_only must be True, False or one position in [0, {t}) per "
+                             f"row ({b} rows), got {positions}")
+        return mx.array(positions, dtype=mx.int32)
 
     def _token_batch(self, data: Data):
         """Token ids ``[B, T]`` from input `Data` (``(W=T, H=1, D=B)``, or ``(W=T, H=B, D=1)``)."""
