@@ -96,7 +96,11 @@ def test_chat_logprobs_whole_and_streamed(client, local):
     streamed = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
                                                    logprobs=True, top_logprobs=3, stream=True))
     pieces = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in pieces] == [(e.token, e.logprob) for e in content]
+    # the same tokens; the log-probabilities to 1e-5 (the two requests' prompt caches may come from
+    # passes of different shapes, e.g. the prefix cache's entry of an earlier batched prompt: float32
+    # sums in other orders, measured ~1e-6 apart)
+    assert [e.token for e in pieces] == [e.token for e in content]
+    assert [e.logprob for e in pieces] == pytest.approx([e.logprob for e in content], abs=1e-5)
     # each chunk carries the tokens of its own text
     for c in streamed:
         if c.choices and c.choices[0].delta.content:
