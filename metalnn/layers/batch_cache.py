@@ -2,7 +2,8 @@
 `merge_rows` / `keep_rows` over a model's per-layer cache list.
 
 A server decodes every running request in one batched step. Each request's prompt is first run
-into its own caches (several short prompts together: `sequence_rows` makes their rows one batch) (`KVCache`, a `StateCache` such as `GatedDeltaCache`); `merge_rows` then adds those rows to the
+into its own caches (`KVCache`, a `StateCache` such as `GatedDeltaCache`; several short prompts
+together: `sequence_rows` makes their rows one batch); `merge_rows` then adds those rows to the
 batch's caches, and `keep_rows` drops the rows of finished requests.
 
 Attention caches are left-aligned: row ``b`` holds its positions in columns ``[0, lengths[b])`` of

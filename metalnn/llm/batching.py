@@ -339,7 +339,7 @@ class BatchGenerator:
         ``prefill_chunk`` tokens in all (one sequence, or none, where prompts run one at a time)."""
         if not self._prompts_together or len(self._waiting) < 2:
             return []
-        free, limit = self.max_batch - len(self._running), self.model.max_positions
+        free, limit = self.max_batch - len(self._running), getattr(self.model, "max_positions", None)
         group, width = [], 0
         for seq in self._waiting:
             if len(group) == free:
