@@ -195,7 +195,11 @@ def _kv_rows(cache) -> tuple:
 
 
 def _merge_kv(caches) -> BatchKVCache:
-    rows = [r for r in (_kv_rows(c) for c in caches) if r[0] is not None]
+    return _stacked([r for r in (_kv_rows(c) for c in caches) if r[0] is not None])
+
+
+def _stacked(rows) -> BatchKVCache:
+    """One `BatchKVCache` of ``rows`` (``(keys, values, lengths)`` each, as `_kv_rows` gives them), in order."""
     if not rows:
         return BatchKVCache()
     longest = max(max(r[2]) for r in rows)
@@ -346,17 +350,11 @@ def sequence_rows(caches_per_sequence: Sequence[list]) -> list:
         if any(type(c) is not KVCache or (c.keys is not None and c.keys.shape[0] != 1) for c in column):
             raise TypeError(f"sequence_rows: layer {i} needs one-sequence KVCache s, got "
                             f"{sorted({type(c).__name__ for c in column})}")
-        lengths = [c.offset if c.keys is not None else 0 for c in column]
         filled = next((c for c in column if c.keys is not None), None)
         if filled is None:
-            out.append(BatchKVCache(None, None, lengths))
+            out.append(BatchKVCache(None, None, [0] * len(column)))
             continue
-        cap = _capacity(max(lengths))
-
-        def rows(name):
-            like = getattr(filled, name)
-            parts = [mx.pad(getattr(c, name)[..., :n, :], [(0, 0), (0, 0), (0, cap - n), (0, 0)]) if n
-                     else mx.zeros(like.shape[:2] + (cap, like.shape[3]), like.dtype) for c, n in zip(column, lengths)]
-            return mx.concatenate(parts) if len(parts) > 1 else parts[0]
-        out.append(BatchKVCache(rows("keys"), rows("values"), lengths))
+        k, v = filled.keys, filled.values
+        empty = (mx.zeros(k.shape[:2] + (0, k.shape[3]), k.dtype), mx.zeros(v.shape[:2] + (0, v.shape[3]), v.dtype), [0])
+        out.append(_stacked([_kv_rows(c) if c.keys is not None else empty for c in column]))
     return out

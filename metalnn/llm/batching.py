@@ -340,19 +340,17 @@ class BatchGenerator:
         if not self._prompts_together or len(self._waiting) < 2:
             return []
         free, limit = self.max_batch - len(self._running), getattr(self.model, "max_positions", None)
-        group, width = [], 0
+        group, width, deepest = [], 0, 0  # (deepest: the most cached positions of a row)
         for seq in self._waiting:
             if len(group) == free:
                 break
             if seq._caches is None:
                 self._start(seq)
-            wider = max(width, len(seq.prompt) - seq._done)
-            if (len(group) + 1) * wider > self.prefill_chunk:
-                break
-            if limit is not None and max([s._done for s in group] + [seq._done]) + wider > limit:
+            wider, deeper = max(width, len(seq.prompt) - seq._done), max(deepest, seq._done)
+            if (len(group) + 1) * wider > self.prefill_chunk or (limit is not None and deeper + wider > limit):
                 break
             group.append(seq)
-            width = wider
+            width, deepest = wider, deeper
         return group
 
     def _prefill_group(self, group: list) -> list:
