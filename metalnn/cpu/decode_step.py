@@ -165,3 +165,19 @@ def decoder_stack_step(x, blocks: StackBlocks, cache, *, offset: int, positions=
     out, written = _ext.decoder_stack_step(x, cache, blocks.params, offset=int(offset), positions=positions,
                                            stream=stream)
     return out, written
+
+
+def stack_columns_write(cache, keys, values, *, slot: int, start: int, stream=None):
+    """The stack's cache ``[blocks, 2, B, kv_heads, capacity, head_dim]`` with block ``slot``'s
+    ``keys`` / ``values`` ``[B, kv_heads, T, head_dim]`` (float32) written at columns ``start ..
+    start + T``, always in place in a buffer MLX allocated whole (a `StackCache`'s): MLX's own slice
+    update writes in place only when its donation test passes, which depends on how far the stream
+    thread has got with the earlier blocks' reads, and otherwise copies the whole stack's cache.
+    Readers of the buffer queued before the write read it first; a lazy array made from the buffer
+    and evaluated after the write sees the new columns.
+
+    Raises:
+        ValueError: a cache, keys or values of the wrong shape or dtype, a slot or columns outside it.
+    """
+    return _ext.stack_columns_write(cache, keys, values, slot=int(slot), start=int(start), stream=stream)
+

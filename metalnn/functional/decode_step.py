@@ -255,8 +255,8 @@ class StackCache:
 
     def write(self, slot: int, start: int, keys, values) -> bool:
         """Write ``keys`` / ``values`` ``[B, kv_heads, T, head_dim]`` at columns ``start ..
-        start + T`` of block ``slot`` (a slice update of the buffer: in place when nothing else holds
-        it, as a bound cache's multi-position update, e.g. verifying draft tokens, needs); False
+        start + T`` of block ``slot`` (in place, `metalnn.cpu.decode_step.stack_columns_write`: a bound
+        cache's multi-position update, e.g. verifying draft tokens, then costs only its columns); False
         (nothing written) where they do not fit: another shape or dtype, or past the capacity."""
         shape = self.buffer.shape
         t = keys.shape[2]
@@ -264,8 +264,8 @@ class StackCache:
         if (keys.shape != want or values.shape != want or keys.dtype != mx.float32 or values.dtype != mx.float32
                 or start + t > shape[4]):
             return False
-        self.buffer[slot, 0, :, :, start:start + t, :] = keys
-        self.buffer[slot, 1, :, :, start:start + t, :] = values
+        self.buffer = native.stack_columns_write(self.buffer, keys, values, slot=slot, start=start,
+                                                 stream=mx.cpu)
         return True
 
     def holds(self, caches, batch: int, positions: int) -> bool:

@@ -55,6 +55,8 @@ def _arrays():
         "bx": a(1, 1, 16), "w16b": a(16), "wq16": a(16, 16), "wk8": a(8, 16), "wv8": a(8, 16), "wo16": a(16, 16),
         "wg24": a(24, 16), "wu24": a(24, 16), "wd16": a(16, 24), "kc": a(1, 1, 4, 8), "vc": a(1, 1, 4, 8),
         "inv4": mx.abs(a(4)), "sc": a(1, 2, 1, 1, 4, 8),  # (the stack's cache of that one block)
+        # a stack's cache of two such blocks and two positions' keys and values for one of them
+        "sc2": a(2, 2, 1, 1, 4, 8), "kn": a(1, 1, 2, 8), "vn": a(1, 1, 2, 8),
         # causal attention q [1, 2, 8, 32] over 1 key/value head (output [1, 8, 2, 32]); gated delta [B 1, T 6, H 2, K 8, V 8]
         "aq": a(1, 2, 8, 32), "ak": a(1, 1, 8, 32), "av": a(1, 1, 8, 32), "ag": a(1, 8, 2, 32),
         "dq": a(1, 6, 2, 8), "dk": a(1, 6, 2, 8), "dv": a(1, 6, 2, 8), "dg": -mx.abs(a(1, 6, 2)),
@@ -172,6 +174,9 @@ def _cases(ext):
         # its cache write (output 1)
         "CacheColumnWrite": ("CacheColumnWrite", lambda offset: lambda *a: stack_step("base", offset)(*a)[1],
                              ["bx", "sc"], {"offset": 1}, {"offset": {"offset": 2}}),
+        "StackColumnsWrite": ("StackColumnsWrite",
+                              lambda **p: lambda c, k, v: ext.stack_columns_write(c, k, v, **p), ["sc2", "kn", "vn"],
+                              {"slot": 0, "start": 1}, {"slot": {"slot": 1, "start": 1}, "start": {"slot": 0, "start": 2}}),
     }
 
 
@@ -179,7 +184,7 @@ CASE_NAMES = ["FastUnary", "FastUnaryGrad", "FastSoftmax", "FastSoftmaxGrad", "I
               "AffineQuantizedMatmul", "AffineDequantize", "GGMLMatmul", "GGMLDequantize", "RmsNorm", "RmsNormVJP",
               "Rope", "Gated", "GatedVJP", "CrossEntropy", "CrossEntropyVJP", "ScaledSoftmax", "ScaledSoftmaxVJP",
               "LayoutCopy", "AdamWUpdate", "CausalAttention", "CausalAttentionVJP", "GatedDelta", "GatedDeltaVJP",
-              "DecoderBlockStep", "DecoderStackStep", "CacheColumnWrite"]
+              "DecoderBlockStep", "DecoderStackStep", "CacheColumnWrite", "StackColumnsWrite"]
 VARIED = [(name, field) for name, fields in [
     ("FastUnary", ["kind"]), ("FastUnaryGrad", ["kind"]),
     ("Im2Col", ["kernel", "stride", "padding", "dilation"]),
@@ -194,6 +199,7 @@ VARIED = [(name, field) for name, fields in [
     ("CausalAttention", ["scale"]), ("CausalAttentionVJP", ["scale"]),
     ("DecoderBlockStep", ["rope_traditional", "rope_scale", "attn_scale", "eps", "qk_eps", "window", "gelu", "offset"]),
     ("DecoderStackStep", ["params", "offset"]), ("CacheColumnWrite", ["offset"]),
+    ("StackColumnsWrite", ["slot", "start"]),
 ] for field in fields]
 
 
@@ -233,7 +239,7 @@ def test_every_primitive_is_covered(ext):
     """Each primitive declares its name and is_equivalent through METALNN_PRIMITIVE, and has a case here."""
     sources = "".join(p.read_text() for p in sorted(SOURCES.glob("*.cpp")))
     assert "is_equivalent" not in sources
-    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 28
+    assert sources.count("METALNN_PRIMITIVE(") == len(CASE_NAMES) == 29
     assert list(_cases(ext)) == CASE_NAMES
 
 

@@ -359,6 +359,52 @@ def test_several_positions_go_into_the_stack_cache_in_place(tmp_path):
     assert np.abs(got - want[:, 5:]).max() <= 2e-4 * np.abs(want).max()
 
 
+def test_stack_columns_write_puts_its_columns_into_the_buffer_in_place():
+    # several positions of one block written into the stack's cache: exactly those columns of that
+    # block's keys and values change (checked against NumPy's slice assignment), in the buffer itself
+    # (the address does not depend on how far MLX's stream thread has got: the write never asks MLX's
+    # donation test); keys given as a transposed view are read through their strides
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((3, 2, 2, 2, 8, 4)).astype(np.float32)
+    keys = rng.standard_normal((2, 2, 4, 3)).astype(np.float32)  # [B, G, hd, T]: transposed below
+    values = rng.standard_normal((2, 2, 3, 4)).astype(np.float32)
+    cache = mx.array(base)
+    mx.eval(cache)
+    before = np.array(cache, copy=False).__array_interface__["data"][0]
+    held = cache[2]  # a view of the buffer held elsewhere: MLX would not donate it
+    written = native.stack_columns_write(cache, mx.array(keys).transpose(0, 1, 3, 2), mx.array(values),
+                                         slot=1, start=5)
+    mx.eval(written, held)
+    want = base.copy()
+    want[1, 0, :, :, 5:8] = keys.transpose(0, 1, 3, 2)
+    want[1, 1, :, :, 5:8] = values
+    np.testing.assert_array_equal(np.array(written), want)
+    assert np.array(written, copy=False).__array_interface__["data"][0] == before
+
+
+def test_stack_columns_write_copies_a_buffer_it_does_not_own_whole():
+    # a view into a larger array is not a buffer of its own: the write goes into a copy and the
+    # array it views keeps its numbers
+    big = mx.zeros((2, 2, 2, 1, 1, 4, 2))
+    mx.eval(big)
+    view = big[1]
+    written = native.stack_columns_write(view, mx.ones((1, 1, 2, 2)), mx.ones((1, 1, 2, 2)), slot=0, start=2)
+    assert np.array(written)[0, :, :, :, 2:].min() == 1 and np.abs(np.array(big)).max() == 0
+
+
+@pytest.mark.parametrize(("shapes", "options", "message"), [
+    (((2, 2, 1, 1, 4, 2), (1, 1, 2, 2), (1, 1, 2, 2)), {"slot": 2, "start": 0}, "slot 2 is outside the cache's 2"),
+    (((2, 2, 1, 1, 4, 2), (1, 1, 2, 2), (1, 1, 2, 2)), {"slot": 0, "start": 3}, "columns 3 .. 5 are outside"),
+    (((2, 2, 1, 1, 4, 2), (1, 2, 2, 2), (1, 1, 2, 2)), {"slot": 0, "start": 0}, r"keys must be float32 \[1, 1, T, 2\]"),
+    (((2, 2, 1, 1, 4, 2), (1, 1, 2, 2), (1, 1, 1, 2)), {"slot": 0, "start": 0}, "different numbers of positions"),
+    (((2, 1, 1, 4, 2), (1, 1, 2, 2), (1, 1, 2, 2)), {"slot": 0, "start": 0}, "the cache must be float32"),
+])
+def test_stack_columns_write_refuses_what_does_not_fit(shapes, options, message):
+    cache, keys, values = (mx.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        native.stack_columns_write(cache, keys, values, **options)
+
+
 def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
     # the stack runs each block's native step as decoder_block_step does: the same numbers, bit for
     # bit (same kernels, same order); also for a batch of sequences of different lengths

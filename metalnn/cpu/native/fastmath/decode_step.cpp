@@ -592,6 +592,62 @@ class CacheColumnWrite : public DecodingPrimitive {
   bool row_positions_;
 };
 
+// The stack's cache [blocks, 2, B, Hkv, cap, hd] with block `slot`'s keys and values [B, Hkv, T, hd]
+// (inputs 1 and 2) written at columns start .. start + T: several positions at once (a prompt's
+// rest, draft tokens to verify), block after block as the stack's attention layers run. Always in
+// place in a row-contiguous buffer that owns its memory, the `StackCache`'s: the readers of the
+// buffer before this write (the earlier blocks' attention over their own slots) are tasks queued on
+// this stream before it, so they read first, and MLX's donation test cannot be asked instead: it
+// fails while the stream thread has not yet released an earlier reader's buffers, so it depends on
+// timing and would copy the whole stack's cache for every block when it fails.
+class StackColumnsWrite : public DecodingPrimitive {
+ public:
+  StackColumnsWrite(mx::Stream s, int slot, int start) : DecodingPrimitive(s), slot_(slot), start_(start) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const mx::array& cache = inputs[0];
+    mx::array& out = outputs[0];
+    // (the whole buffer, not a view into another array's, and memory MLX allocated)
+    const bool in_place = cache.flags().row_contiguous && cache.data_size() == cache.size() &&
+                          cache.data_shared_ptr()->is_owned() && cache.data<void>() == cache.buffer().raw_ptr();
+    if (in_place) {
+      out.copy_shared_buffer(cache);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    std::vector<mx::array> in;
+    for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), in_place, slot = slot_,
+                  start = start_]() mutable {
+      const mx::array& c = in[0];
+      float* dst = out.data<float>();
+      if (!in_place) {
+        std::vector<float> keep;
+        const float* src = metalnn_native::contiguous_data<float>(c, keep);
+        std::copy(src, src + c.size(), dst);
+      }
+      const int64_t B = c.shape(2), G = c.shape(3), cap = c.shape(4), hd = c.shape(5), T = in[1].shape(2);
+      for (int kv = 0; kv < 2; ++kv) {
+        std::vector<float> keep;
+        const float* rows = metalnn_native::contiguous_data<float>(in[1 + kv], keep);
+        float* slab = dst + (int64_t(slot) * 2 + kv) * B * G * cap * hd;
+        for (int64_t bg = 0; bg < B * G; ++bg)
+          std::copy(rows + bg * T * hd, rows + (bg + 1) * T * hd, slab + (bg * cap + start) * hd);
+      }
+    });
+  }
+
+  METALNN_PRIMITIVE("StackColumnsWrite", slot_, start_)
+  METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
+
+ private:
+  int slot_;
+  int start_;
+};
+
 [[noreturn]] void refuse(const std::string& what) {
   throw std::invalid_argument("[decoder_block_step] " + what);
 }
@@ -847,6 +903,33 @@ std::vector<mx::array> decoder_stack_step_op(const mx::array& x, const std::opti
   return {outs[0], written};
 }
 
+// The stack's cache with block `slot`'s keys and values [B, Hkv, T, hd] written at columns
+// start .. start + T (see `StackColumnsWrite`).
+mx::array stack_columns_write_op(const mx::array& cache, const mx::array& keys, const mx::array& values, int slot,
+                                 int start, mx::StreamOrDevice sd) {
+  auto s = mx::to_stream(sd);
+  auto fail = [](const std::string& what) { throw std::invalid_argument("[stack_columns_write] " + what); };
+  if (s.device != mx::Device::cpu) fail("runs on CPU streams only");
+  if (cache.ndim() != 6 || cache.shape(1) != 2 || cache.dtype() != mx::float32)
+    fail("the cache must be float32 [blocks, 2, B, kv_heads, capacity, head_dim], got " + shape_str(cache.shape()));
+  if (slot < 0 || slot >= cache.shape(0))
+    fail("slot " + std::to_string(slot) + " is outside the cache's " + std::to_string(cache.shape(0)) + " blocks");
+  for (const auto* a : {&keys, &values}) {
+    const char* name = a == &keys ? "keys" : "values";
+    if (a->ndim() != 4 || a->shape(0) != cache.shape(2) || a->shape(1) != cache.shape(3) ||
+        a->shape(3) != cache.shape(5) || a->dtype() != mx::float32)
+      fail(std::string(name) + " must be float32 [" + std::to_string(cache.shape(2)) + ", " +
+           std::to_string(cache.shape(3)) + ", T, " + std::to_string(cache.shape(5)) + "], got " +
+           shape_str(a->shape()));
+  }
+  if (keys.shape(2) != values.shape(2)) fail("keys and values hold different numbers of positions");
+  if (start < 0 || start + keys.shape(2) > cache.shape(4))
+    fail("columns " + std::to_string(start) + " .. " + std::to_string(start + keys.shape(2)) +
+         " are outside the cache capacity " + std::to_string(cache.shape(4)));
+  return mx::array(cache.shape(), mx::float32, std::make_shared<StackColumnsWrite>(s, slot, start),
+                   {cache, keys, values});
+}
+
 // Integers and floats of a BlockSpec as the Python side lists them (see `register_decode_step`).
 constexpr int kSpecInts = 8 + 2 * kProjections, kSpecFloats = 4;
 
@@ -956,4 +1039,9 @@ void register_decode_step(nb::module_& m) {
       nb::arg("stream") = nb::none(),
       "Consecutive decoder blocks, each as decoder_block_step, as one node, and the stack's cache with "
       "the new position written: [out, cache] (see metalnn/cpu/decode_step.py).");
+
+  m.def("stack_columns_write", &stack_columns_write_op, nb::arg("cache"), nb::arg("keys"), nb::arg("values"),
+        nb::kw_only(), nb::arg("slot"), nb::arg("start"), nb::arg("stream") = nb::none(),
+        "The stack's cache with block slot's keys and values [B, Hkv, T, head_dim] written at columns "
+        "start .. start + T, in place (see metalnn/cpu/decode_step.py).");
 }
