@@ -144,26 +144,31 @@ class StackBlocks:
         return len(self.params)
 
 
-def decoder_stack_step(x, blocks: StackBlocks, cache, *, offset: int, positions=None, stream=None):
+def decoder_stack_step(x, blocks: StackBlocks, cache, *, offset: int, positions=None, last_only: bool = False,
+                       stream=None):
     """The blocks of ``blocks`` one after the other, each as `decoder_block_step`, for ``x``
-    ``[B, 1, D]``, as one native node, and every block's new key and value written into the stack's
-    cache at the new position by one more node (in place when nothing else holds the buffer, else
-    into a copy).
+    ``[B, T, D]`` (T new positions a sequence), as one native node, and every block's new keys and
+    values written into the stack's cache at the new positions by one more node (in place when
+    nothing else holds the buffer, else into a copy). Position t of a sequence attends to the cache
+    and to the new positions up to its own.
 
     Args:
-        x: float32 ``[B, 1, D]``, or the token ids ``[B, 1]`` when ``blocks`` has a token table.
+        x: float32 ``[B, T, D]``, or the token ids ``[B, T]`` when ``blocks`` has a token table.
         cache: every block's keys and values in one float32 buffer
             ``[blocks, 2, B, kv_heads, capacity, head_dim]`` (``cache[b, 0]``: block b's keys; the
             blocks must share ``kv_heads`` and ``head_dim``).
-        offset, positions: the new position, as `decoder_block_step` (the same for every block).
+        offset, positions: the first new position, as `decoder_block_step` (the same for every
+            block); ``offset + T`` must fit the capacity.
+        last_only: with a head, only each sequence's last position's logits.
     Returns:
-        ``(out, new_cache)``: the last block's output ``[B, 1, D]`` (the logits ``[B, 1, vocab]``
-        when ``blocks`` has a head) and the cache buffer with the new position written.
+        ``(out, new_cache)``: the last block's output ``[B, T, D]`` (the logits ``[B, T, vocab]``,
+        or ``[B, 1, vocab]`` with ``last_only``, when ``blocks`` has a head) and the cache buffer with
+        the new positions written.
     Raises:
         ValueError: an input of the wrong shape or dtype (the message names the block or input).
     """
     out, written = _ext.decoder_stack_step(x, cache, blocks.params, offset=int(offset), positions=positions,
-                                           stream=stream)
+                                           last_only=bool(last_only), stream=stream)
     return out, written
 
 

@@ -170,15 +170,16 @@ def _prepared(step: BlockStep) -> dict:
     return p
 
 
-def _runs_natively(x, step: BlockStep, keys, device, ids: bool = False) -> bool:
-    """Whether the native step runs ``x`` (float32 ``[B, 1, D]``; with ``ids``, integer ``[B, 1]``)
-    with ``keys`` (a cache buffer or None) for the plan ``step`` on ``device``."""
+def _runs_natively(x, step: BlockStep, keys, device, ids: bool = False, positions: int = 1) -> bool:
+    """Whether the native step runs ``x`` (float32 ``[B, T, D]``; with ``ids``, integer ``[B, T]``;
+    T from 1 to ``positions``) with ``keys`` (a cache buffer or None) for the plan ``step`` on
+    ``device``."""
     if device.kernels != "auto" or not on_cpu() or not native.available():
         return False
     if ids:
-        if x.ndim != 2 or x.shape[1] != 1 or not mx.issubdtype(x.dtype, mx.integer):
+        if x.ndim != 2 or not 1 <= x.shape[1] <= positions or not mx.issubdtype(x.dtype, mx.integer):
             return False
-    elif x.dtype != mx.float32 or x.ndim != 3 or x.shape[1] != 1:
+    elif x.dtype != mx.float32 or x.ndim != 3 or not 1 <= x.shape[1] <= positions:
         return False
     if keys is not None and keys.dtype != mx.float32:
         return False
@@ -298,16 +299,27 @@ class StackCache:
         return cls(caches, buffer)
 
 
+# New positions a sequence up to which one call runs as one fused node: a short prompt, a prompt's
+# rest after a cached prefix, draft tokens to verify. The node's products are those `metalnn.cpu.ggml`
+# runs natively up to MATMUL_MAX_ROWS rows (beyond, dequantising into a float product wins), and
+# with the rest of the block in the same node it was faster at every length measured: SmolLM2 Q4_1
+# after a 700-token prefix, 2 cores, 20 / 47 / 79 / 494 ms for 2 / 9 / 16 / 128 positions against
+# 52 / 85 / 152 / 743 ms block by block. Longer runs go block by block.
+STACK_POSITIONS = 128
+
+
 def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = None,
-                       embedding: StackEmbedding | None = None):
-    """Consecutive blocks (``steps``, one `BlockStep` each) for ``x`` ``[B, 1, D]`` (with
-    ``embedding``: the token ids ``[B, 1]``, looked up in its table first), each with its cache
-    (``caches``: one `metalnn.layers.KVCache` or `metalnn.layers.BatchKVCache` a block, all of one
-    class and at the same positions; each is appended to), as one fused native node; returns the
-    last block's output ``[B, 1, D]`` (with ``head``: the logits ``[B, 1, vocab]`` of the final norm
-    and head after it), or None (nothing done, the caches untouched) when the fused step does not
-    apply to all of them, the head or the table (see the module docstring; the caller then runs the
-    blocks one by one).
+                       embedding: StackEmbedding | None = None, last_only: bool = False):
+    """Consecutive blocks (``steps``, one `BlockStep` each) for ``x`` ``[B, T, D]`` (with
+    ``embedding``: the token ids ``[B, T]``, looked up in its table first; T new positions a
+    sequence, one when decoding, at most `STACK_POSITIONS`), each with its cache (``caches``: one
+    `metalnn.layers.KVCache` or `metalnn.layers.BatchKVCache` a block, all of one class and at the
+    same positions; each is appended to), as one fused native node; returns the last block's output
+    ``[B, T, D]`` (with ``head``: the logits ``[B, T, vocab]`` of the final norm and head after it,
+    ``[B, 1, vocab]`` of each sequence's last position with ``last_only``), or None (nothing done,
+    the caches untouched) when the fused step does not apply to all of them, the head or the table
+    (see the module docstring; the caller then runs the blocks one by one). T > 1 runs on caches
+    whose rows are all at one position (one sequence, or a batch of equal lengths).
 
     The same as `decoder_block_step` block after block, with one graph node for the whole stack and
     one more that writes the new keys and values into the caches, kept together in one buffer
@@ -315,9 +327,10 @@ def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = N
     size, its building in Python and its dispatch)."""
     device = resolve(device)
     ids = embedding is not None
-    if not steps or len(steps) != len(caches) or not _runs_natively(x, steps[0], None, device, ids=ids):
+    if (not steps or len(steps) != len(caches)
+            or not _runs_natively(x, steps[0], None, device, ids=ids, positions=STACK_POSITIONS)):
         return None
-    first, b = caches[0], x.shape[0]
+    first, b, t = caches[0], x.shape[0], x.shape[1]
     kind, offset, lengths = type(first), first.offset, getattr(first, "lengths", None)
     if lengths is not None:  # (a `BatchKVCache`: the same row lengths, hence the same offset)
         same = all(type(c) is kind and c.lengths == lengths for c in caches)
@@ -330,14 +343,17 @@ def decoder_stack_step(x, steps, caches, device=None, head: StackHead | None = N
         return None
     if ids and x.dtype not in (mx.int32, mx.uint32):
         x = x.astype(mx.int32)
+    ragged = lengths is not None and first.ragged
+    if ragged and t > 1:
+        return None
     store = first.store
-    if not (isinstance(store, StackCache) and store.holds(caches, b, offset + 1)):
+    if not (isinstance(store, StackCache) and store.holds(caches, b, offset + t)):
         if any(c.keys is not None and c.keys.dtype != mx.float32 for c in caches):
             return None
-        store = StackCache.gather(caches, b, steps[0].kv_heads, steps[0].head_dim, first.capacity(offset + 1))
-    ragged = lengths is not None and first.ragged
+        store = StackCache.gather(caches, b, steps[0].kv_heads, steps[0].head_dim, first.capacity(offset + t))
     out, store.buffer = native.decoder_stack_step(x, blocks, store.buffer, offset=offset,
-                                                  positions=first.positions if ragged else None)
+                                                  positions=first.positions if ragged else None,
+                                                  last_only=last_only)
     for c in caches:
-        c.count_written(1)
+        c.count_written(t)
     return out

@@ -105,6 +105,55 @@ def test_fused_decoding_matches_transformers(variant, tmp_path):
     assert err < 2e-4, f"{variant}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_several_positions_run_as_one_stack_node(tmp_path, variant):
+    # a prompt of 3, then runs of 4, 1 and 4 new positions (a prompt's rest after a cached prefix,
+    # draft tokens to verify), each call one fused node for every block, the final norm and the head:
+    # position t of a run attends to the cache and to the run's positions up to its own (the windows
+    # of 3 cross from the cache into the run); the logits are transformers' for the whole sequence at
+    # once (a relative 2e-4, as decoding one position at a time); a run's last position alone
+    # (last_only) is that run's last row
+    cfg_cls, model_cls, extra = VARIANTS[variant]
+    hf = hf_model(cfg_cls, model_cls, **BASE, **extra)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    toks = np.random.default_rng(11).integers(0, BASE["vocab_size"], (2, 12))
+    want = hf_logits(hf, toks)
+    cache = model.make_cache()
+    got, start = [], 0
+    for n in (3, 4, 1, 4):
+        logits = model(mx.array(toks[:, start:start + n]), cache=cache)
+        names = node_names(logits)
+        assert names.count("DecoderStackStep") == 1 and "Matmul" not in names, names
+        got.append(np.array(logits))
+        start += n
+    got = np.concatenate(got, axis=1)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 2e-4, f"{variant}: relative error {err:.3g}"
+    assert [c.offset for c in cache] == [12] * len(cache)
+    for c in cache:
+        c.offset -= 4
+    last = np.array(model(mx.array(toks[:, 8:]), cache=cache, last_only=True))
+    assert last.shape == (2, 1, BASE["vocab_size"])
+    np.testing.assert_allclose(last[:, 0], got[:, -1], rtol=0, atol=1e-5 * np.abs(got).max())
+
+
+def test_several_positions_past_the_stack_limit_run_block_by_block(tmp_path):
+    # more new positions than STACK_POSITIONS: the blocks run one by one (a long prompt's products
+    # are faster dequantised into a float product than read row by row)
+    from metalnn.functional.decode_step import STACK_POSITIONS
+
+    hf = hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, **BASE)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    cache = model.make_cache()
+    toks = np.random.default_rng(12).integers(0, BASE["vocab_size"], (1, STACK_POSITIONS + 1))
+    logits = model(mx.array(toks), cache=cache)
+    assert "DecoderStackStep" not in node_names(logits)
+    want = hf_logits(hf, toks)
+    assert np.abs(np.array(logits) - want).max() / np.abs(want).max() < 2e-4
+
+
 def test_cache_growth_while_fused(tmp_path, monkeypatch):
     # capacity grows in blocks of KVCache.step; the cached positions are copied into the bigger
     # buffers the fused step then writes into
@@ -176,7 +225,10 @@ def test_fused_head_equals_the_model_head(tmp_path, monkeypatch, head, float_pro
     toks = np.random.default_rng(7).integers(0, vocab, (2, 9))
     fused, names = decode_logits(model, toks, 4)
     assert names.count("DecoderStackStep") == 1 and not {"GGMLMatmul", "Matmul", "MetalnnRMSNorm"} & set(names), names
-    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, ids, cache, head: None)
+    # (the prompt's 4 positions through the fused head in both runs: the caches then hold the same numbers)
+    fused_logits = DecoderStack.fused_logits
+    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, ids, cache, head, **kw: fused_logits(
+        self, device, ids, cache, head, **kw) if ids.shape[1] > 1 else None)
     own, own_names = decode_logits(model, toks, 4)
     assert own_names.count("DecoderStackStep") == 1 and {"GGMLMatmul", "Matmul"} & set(own_names), own_names
     if head.startswith("gguf"):
@@ -432,11 +484,11 @@ def test_stack_step_equals_the_blocks_one_by_one(tmp_path, monkeypatch):
         return np.stack(out), [c.lengths for c in caches], names
 
     # (the final norm and head as the model runs them, in both: see test_fused_head_equals_the_model_head)
-    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, ids, cache, head: None)
+    monkeypatch.setattr(DecoderStack, "fused_logits", lambda self, device, ids, cache, head, **kw: None)
     stacked, names = decode_logits(model, toks, 4)
     ragged, lengths, ragged_names = ragged_steps()
     assert names.count("DecoderStackStep") == 1 and ragged_names.count("DecoderStackStep") == 1
-    monkeypatch.setattr(DecoderStack, "_fused_step", lambda self, device, h, cache, head=None: None)
+    monkeypatch.setattr(DecoderStack, "_fused_step", lambda self, device, h, cache, head=None, **kw: None)
     blocks, block_names = decode_logits(model, toks, 4)
     ragged_blocks, block_lengths, _ = ragged_steps()
     assert block_names.count("DecoderBlockStep") == 2 and "DecoderStackStep" not in block_names
@@ -485,10 +537,14 @@ def test_bad_stack_inputs_name_the_block():
         native.decoder_stack_step(f32(1, 1, D), blocks, f32(2, 2, 1, G, 4, 4), offset=0)
     with pytest.raises(ValueError, match=r"the cache must be float32 .*got a non-float32 array \(2, 2, 1, 2, 4, 8\)"):
         native.decoder_stack_step(f32(1, 1, D), blocks, cache.astype(mx.float16), offset=0)
-    with pytest.raises(ValueError, match=r"offset 4 is outside the cache capacity 4"):
+    with pytest.raises(ValueError, match=r"positions 4 .. 4 are outside the cache capacity 4"):
         native.decoder_stack_step(f32(1, 1, D), blocks, cache, offset=4)
-    with pytest.raises(ValueError, match=r"x must be float32 \[B, 1, 32\], got \(1, 1, 16\)"):
+    with pytest.raises(ValueError, match=r"positions 2 .. 4 are outside the cache capacity 4"):
+        native.decoder_stack_step(f32(1, 3, D), blocks, cache, offset=2)
+    with pytest.raises(ValueError, match=r"x must be float32 \[B, T, 32\] .*got \(1, 1, 16\)"):
         native.decoder_stack_step(f32(1, 1, 16), blocks, cache, offset=0)
+    with pytest.raises(ValueError, match=r"x must be float32 \[B, T, 32\] .*got \(1, 0, 32\)"):
+        native.decoder_stack_step(f32(1, 0, D), blocks, cache, offset=0)
     with pytest.raises(ValueError, match=r"the cache must be float32 \[1, 2, 1, 2, capacity, 8\]"):
         native.decoder_stack_step(f32(1, 1, D), native.StackBlocks([block]), cache, offset=0)
     with pytest.raises(ValueError, match=r"positions must be int32 of shape \(1,\)"):
@@ -533,7 +589,7 @@ def test_stack_with_token_table_and_head():
     np.testing.assert_array_equal(np.array(written), np.array(want_written))
     u32, _ = native.decoder_stack_step(ids[:1].astype(mx.uint32), ends, cache[:, :, :1], offset=0)
     np.testing.assert_array_equal(np.array(u32), np.array(logits)[:1])
-    with pytest.raises(ValueError, match=r"the token ids must be int32 or uint32 \[B, 1\] .*got \(3, 1, 32\)"):
+    with pytest.raises(ValueError, match=r"the token ids must be int32 or uint32 \[B, T\] .*got \(3, 1, 32\)"):
         native.decoder_stack_step(mx.zeros((3, 1, D)), ends, cache, offset=0)
     with pytest.raises(ValueError, match=r"the token table must be float32 of shape \(11, 32\), got float16"):
         native.StackBlocks([block], embedding=dict(weight=table.astype(mx.float16), type=-1))

@@ -30,6 +30,7 @@ from ... import quantization
 from ...data import Data, MTLSize
 from ...device import Device, resolve
 from ...errors import UnsupportedConfigError
+from ...functional.decode_step import STACK_POSITIONS
 from ...layers.attention import KVCache
 from ...layers.base import Layer
 from ...weights import load_into, save_safetensors
@@ -323,13 +324,14 @@ class CausalLM(Layer):
         b, t = ids.shape
         self._check_positions(cache, t)
         rows = None if isinstance(last_only, bool) else self._row_positions(last_only, b, t)
-        if cache is not None and t == 1 and self.logit_softcap is None:
-            # one new position a sequence: the blocks, final norm and head as one fused node where
-            # the backbone has that step and it runs them (`DecoderStack.fused_logits`)
+        if cache is not None and t <= STACK_POSITIONS and isinstance(last_only, bool) and self.logit_softcap is None:
+            # a few new positions a sequence (decoding, a prompt's rest after a cached prefix, draft
+            # tokens): the blocks, final norm and head as one fused node where the backbone has that
+            # step and it runs them (`DecoderStack.fused_logits`)
             fused = getattr(self.backbone, "fused_logits", None)
-            logits = None if fused is None else fused(device, ids, cache, self.output_head)
+            logits = None if fused is None else fused(device, ids, cache, self.output_head, last_only=last_only)
             if logits is not None:
-                return Data(logits, MTLSize(logits.shape[-1], 1, b))
+                return Data(logits, MTLSize(logits.shape[-1], logits.shape[1], b))
         h = self.compile_child(self.backbone, device, Data(ids), cache=cache)
         if last_only is not False and t > 1:
             h3 = h.array.reshape(b, h.dims.H, -1)

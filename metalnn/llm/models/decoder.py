@@ -60,17 +60,19 @@ class DecoderStack(Layer):
                 h = self.compile_child(layer, device, h, cache=cache[i] if cache is not None else None)
         return self.compile_child(self.norm, device, h)
 
-    def fused_logits(self, device, ids, cache, head):
-        """Logits ``[B, 1, vocab]`` of one new position a sequence (integer token ids ``[B, 1]``)
-        through the embedding, every block, the final norm and ``head`` (the output head: an
-        ``lm_head`` projection, or the token table when tied) as one fused node; None (nothing done)
-        where the fused step does not run them (the caller then runs the model as usual)."""
+    def fused_logits(self, device, ids, cache, head, last_only: bool = False):
+        """Logits ``[B, T, vocab]`` (``[B, 1, vocab]`` of each sequence's last position with
+        ``last_only``) of T new positions a sequence (integer token ids ``[B, T]``, T at most
+        `metalnn.functional.decode_step.STACK_POSITIONS`) through the embedding, every block, the
+        final norm and ``head`` (the output head: an ``lm_head`` projection, or the token table when
+        tied) as one fused node; None (nothing done) where the fused step does not run them (the
+        caller then runs the model as usual)."""
         head_plan, table_plan = self._end_plans(head)
         if head_plan is None:
             return None
         if table_plan is not None:  # (the lookup inside the node too)
-            return self._fused_step(device, ids, cache, head_plan, table_plan)
-        return self._fused_step(device, self._embed(device, Data(ids)).array, cache, head_plan)
+            return self._fused_step(device, ids, cache, head_plan, table_plan, last_only=last_only)
+        return self._fused_step(device, self._embed(device, Data(ids)).array, cache, head_plan, last_only=last_only)
 
     def _embed(self, device, data):
         h = self.compile_child(self.embed_tokens, device, data)
@@ -78,9 +80,9 @@ class DecoderStack(Layer):
             h = Data(h.array * mx.array(self.embed_scale, dtype=h.array.dtype), h.dims)
         return h
 
-    def _fused_step(self, device, x, cache, head=None, embedding=None):
-        """One decoding position (``x`` ``[B, 1, D]``, or token ids ``[B, 1]`` with ``embedding``)
-        through every block (then ``head``: a `metalnn.functional.StackHead`) as one fused node
+    def _fused_step(self, device, x, cache, head=None, embedding=None, last_only: bool = False):
+        """New positions (``x`` ``[B, T, D]``, or token ids ``[B, T]`` with ``embedding``) through
+        every block (then ``head``: a `metalnn.functional.StackHead`) as one fused node
         (`metalnn.functional.decoder_stack_step`) when each block is a fused-step `DecoderBlock` with
         a `KVCache` (or `BatchKVCache`); None otherwise (the blocks then run one by one)."""
         if len(cache) != len(self.layers) or type(cache[0]) not in (KVCache, BatchKVCache):
@@ -88,7 +90,8 @@ class DecoderStack(Layer):
         steps = self._step_plans()
         if steps is None:
             return None
-        return F.decoder_stack_step(x, steps, cache, device=device, head=head, embedding=embedding)
+        return F.decoder_stack_step(x, steps, cache, device=device, head=head, embedding=embedding,
+                                    last_only=last_only)
 
     def _end_plans(self, head):
         """``(StackHead, StackEmbedding)``: the final norm and ``head``, and the token table, as the

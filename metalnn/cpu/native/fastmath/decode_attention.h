@@ -4,8 +4,9 @@
 //   s_j = scale * q . key_j   (j < len: the cached columns, then the new position's key)
 //   o   = sum_j softmax(s)_j value_j
 //
-// key_j = kb + j * hd for j < len - 1 and knew for j = len - 1 (values alike): the new position's
-// key and value are not in the cache buffers yet (the caller writes them after the step).
+// key_j = kb + j * hd for j < cached (len - 1 by default) and knew + (j - cached) * new_stride after
+// (values alike): the new positions' keys and values are not in the cache buffers yet (the caller
+// writes them after the step).
 //
 // The AVX2 kernel keeps q and the output in registers (hd a multiple of 8, at most 256) and
 // reads each key and value row once; the softmax is metalnn_fastmath's vectorised one. The
@@ -22,19 +23,26 @@ namespace metalnn_decode {
 
 struct HeadAttention {
   const float* q;     // [hd]
-  const float* kb;    // [len - 1, hd] cached keys (row stride hd)
-  const float* vb;    // [len - 1, hd] cached values
-  const float* knew;  // [hd] the new position's key
-  const float* vnew;  // [hd] its value
+  const float* kb;    // [cached, hd] cached keys (row stride hd)
+  const float* vb;    // [cached, hd] cached values
+  const float* knew;  // [len - cached, hd] the new positions' keys (row stride new_stride)
+  const float* vnew;  // their values
   int64_t len;        // columns attended to, >= 1
   int hd;
   float scale;
+  int64_t cached = -1;     // columns read from kb / vb (-1: len - 1, one new position)
+  int64_t new_stride = 0;  // between the new positions' keys (and values)
 
+  int64_t from_cache() const {
+    return cached < 0 ? len - 1 : cached;
+  }
   const float* key(int64_t j) const {
-    return j + 1 < len ? kb + j * hd : knew;
+    const int64_t c = from_cache();
+    return j < c ? kb + j * hd : knew + (j - c) * new_stride;
   }
   const float* value(int64_t j) const {
-    return j + 1 < len ? vb + j * hd : vnew;
+    const int64_t c = from_cache();
+    return j < c ? vb + j * hd : vnew + (j - c) * new_stride;
   }
 };
 

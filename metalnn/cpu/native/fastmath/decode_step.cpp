@@ -20,7 +20,9 @@
 // new position's key and value [B, Hkv, 1, head_dim], which the caller writes into the cache with
 // MLX's slice update. DecoderStackStep reads every block's keys and values from one buffer, the
 // stack's cache [blocks, 2, B, Hkv, capacity, head_dim], and outputs the new keys and values packed
-// in one array, which one CacheColumnWrite node puts into that buffer. The write works in place: MLX
+// in one array, which one CacheColumnWrite node puts into that buffer; it also runs T > 1 new
+// positions a sequence (a prompt's rest after a cached prefix, draft tokens to verify) as rows
+// b * T + t, each attending to the cache and to the new positions up to its own. The write works in place: MLX
 // lets a single-output node take its input's buffer when nothing else holds it (a multi-output
 // primitive never gets that: each of its outputs keeps its own reference to every input until it
 // is evaluated, which is why the write is a node of its own). One buffer for the whole stack makes
@@ -87,6 +89,7 @@ struct BlockSpec {
   std::array<bool, kProjections> bias{};
   int offset = 0;  // position of the new token (cached positions before it)
   bool row_positions = false;  // an int32 [B] input gives each sequence's position
+  int new_positions = 1;  // T: new positions a sequence (rows b * T + t; the stack step's only)
 
   bool operator==(const BlockSpec&) const = default;
 
@@ -207,13 +210,14 @@ struct BlockShape {
   int64_t M = 0, D = 0, I = 0, cap = 0;
 };
 
-// The block for M sequences (one new position each); see the file comment.
-// `data[i]`: input i's values (the layout of `Input`), row-major; `data[kX]` the block's input
-// [M, D]. Writes the block's output y [M, D] and the new position's key and value
-// k_out, v_out [M, Hkv, hd]. `rows[p]`: projection p's weight rows.
+// The block for M rows: B = M / T sequences of T = sp.new_positions new positions each (row
+// b * T + t at the sequence's position + t); see the file comment. `data[i]`: input i's values (the
+// layout of `Input`), row-major; `data[kX]` the block's input [M, D]. Writes the block's output y
+// [M, D] and the new positions' keys and values k_out, v_out [B, T, Hkv, hd] ([M, Hkv, hd]).
+// `rows[p]`: projection p's weight rows.
 void run_block(const BlockSpec& sp, const std::vector<const void*>& data, const std::array<int64_t, kProjections>& rows,
                const BlockShape& shape, float* y, float* k_out, float* v_out) {
-  const int64_t D = shape.D, M = shape.M, I = shape.I, cap = shape.cap, pos = sp.offset;
+  const int64_t D = shape.D, M = shape.M, I = shape.I, cap = shape.cap, pos = sp.offset, T = sp.new_positions;
   const int hd = sp.head_dim, H = sp.heads, G = sp.kv_heads, rep = H / G;
   const int64_t nq = int64_t(H) * hd, nkv = int64_t(G) * hd;
   const auto floats = [&](int i) { return static_cast<const float*>(data[i]); };
@@ -239,20 +243,22 @@ void run_block(const BlockSpec& sp, const std::vector<const void*>& data, const 
     rms_norm_rows(q.data(), floats(sp.qk_norm_input()), sp.qk_eps, M * H, hd, q.data());
     rms_norm_rows(k.data(), floats(sp.qk_norm_input() + 1), sp.qk_eps, M * G, hd, k.data());
   }
-  // each sequence's position (offset unless the batch holds sequences of different lengths),
-  // clamped to the cache: a position outside it must not make the attention read outside it
+  // each sequence's first new position (offset unless the batch holds sequences of different
+  // lengths), clamped to the cache: a position outside it must not make the attention read outside
+  // it; row m's position: its sequence's first plus m % T
   const int32_t* positions =
       sp.row_positions ? static_cast<const int32_t*>(data[sp.positions_input()]) : nullptr;
-  const auto position = [&](int64_t m) {
-    return positions ? std::clamp<int64_t>(positions[m], 0, cap - 1) : pos;
+  const auto first_position = [&](int64_t b) {
+    return positions ? std::clamp<int64_t>(positions[b], 0, std::max<int64_t>(cap - T, 0)) : pos;
   };
+  const auto position = [&](int64_t m) { return first_position(m / T) + m % T; };
   if (sp.rope_dims > 0) {
     // theta = position * scale * inv_freq in float32, as MLX's rope
     const int half = sp.rope_dims / 2;
     const float* inv = floats(kInvFreq);
     std::vector<float> cs(half), sn(half);
     for (int64_t m = 0; m < M; ++m) {
-      if (m == 0 || positions) {
+      if (m == 0 || positions || T > 1) {
         const float p = static_cast<float>(position(m)) * sp.rope_scale;
         for (int i = 0; i < half; ++i) {
           cs[i] = std::cos(p * inv[i]);
@@ -264,14 +270,15 @@ void run_block(const BlockSpec& sp, const std::vector<const void*>& data, const 
     }
   }
 
-  // the new position's key and value: [B, Hkv, 1, hd]
+  // the new positions' keys and values: [B, T, Hkv, hd]
   std::copy(k.begin(), k.end(), k_out);
   std::copy(v.begin(), v.end(), v_out);
   const float* kc = floats(kKCache);  // [B, Hkv, cap, hd]
   const float* vc = floats(kVCache);
 
-  // attention over columns [start, p] (the cached ones before the sequence's position p, then the
-  // new one), one (sequence, head) at a time; start: the window's first column
+  // attention of row m (position p) over columns [start, p]: the cached ones before its sequence's
+  // first new position p0, then the new ones p0 .. p, one (row, head) at a time; start: the
+  // window's first column
   int64_t longest = 1;
   for (int64_t m = 0; m < M; ++m)
     longest = std::max(longest, std::min<int64_t>(position(m) + 1, sp.window > 0 ? sp.window : cap));
@@ -281,15 +288,20 @@ void run_block(const BlockSpec& sp, const std::vector<const void*>& data, const 
     std::vector<float> s(static_cast<size_t>(longest));
     for (size_t mh = a; mh < b; ++mh) {
       const int64_t m = static_cast<int64_t>(mh) / H, hh = static_cast<int64_t>(mh) % H, g = hh / rep;
-      const int64_t pm = position(m), start = sp.window > 0 ? std::max<int64_t>(0, pm - sp.window + 1) : 0;
+      const int64_t b = m / T, t = m % T, p0 = first_position(b), pm = p0 + t;
+      const int64_t start = sp.window > 0 ? std::max<int64_t>(0, pm - sp.window + 1) : 0;
+      const int64_t cached = std::max<int64_t>(0, p0 - start), first_new = std::max<int64_t>(0, start - p0);
+      const int64_t new_row = b * T + first_new;  // (the first new position in the window)
       const metalnn_decode::HeadAttention head{q.data() + (m * H + hh) * hd,
-                                               kc + ((m * G + g) * cap + start) * hd,
-                                               vc + ((m * G + g) * cap + start) * hd,
-                                               k.data() + (m * G + g) * hd,
-                                               v.data() + (m * G + g) * hd,
-                                               pm - start + 1,
+                                               kc + ((b * G + g) * cap + start) * hd,
+                                               vc + ((b * G + g) * cap + start) * hd,
+                                               k.data() + (new_row * G + g) * hd,
+                                               v.data() + (new_row * G + g) * hd,
+                                               cached + t - first_new + 1,
                                                hd,
-                                               sp.attn_scale};
+                                               sp.attn_scale,
+                                               cached,
+                                               nkv};
       metalnn_decode::attend_head(head, s.data(), att.data() + (m * H + hh) * hd);
     }
   });
@@ -418,15 +430,15 @@ struct StackParams {
   int D = 0;
   // The final RMSNorm and output head after the last block (head_rows 0: none, the step outputs the
   // last block's output): gain [D] and epsilon, weight [head_rows, D] of GGML type head_type (-1:
-  // float32). With them the step outputs logits [B, 1, head_rows].
+  // float32). With them the step outputs logits [B, T, head_rows] (or each sequence's last: [B, 1, ...]).
   const float* head_gain = nullptr;
   const void* head_weight = nullptr;
   int head_type = -1;
   int64_t head_rows = 0;
   float head_eps = 0.0f;
-  // The token table before the first block (embed_rows 0: none, the step's input is x [B, 1, D]):
+  // The token table before the first block (embed_rows 0: none, the step's input is x [B, T, D]):
   // [embed_rows, D] of GGML type embed_type (-1: float32), its rows multiplied by embed_scale. With
-  // it the step's input is token ids [B, 1] (int32 or uint32; an id outside the table reads its
+  // it the step's input is token ids [B, T] (int32 or uint32; an id outside the table reads its
   // nearest row: the step never reads outside the table).
   const void* embed_weight = nullptr;
   int embed_type = -1;
@@ -434,9 +446,11 @@ struct StackParams {
   float embed_scale = 1.0f;
   bool embed_scaled = false;
 
-  mx::Shape output_shape(const mx::Shape& in) const {
-    if (head_rows) return {in[0], 1, static_cast<int>(head_rows)};
-    return embed_rows ? mx::Shape{in[0], 1, D} : in;
+  // The step's output for x (or token ids) `in` [B, T(, D)]: logits [B, T, head_rows] ([B, 1,
+  // head_rows] with last_only: each sequence's last position's), else the last block's [B, T, D].
+  mx::Shape output_shape(const mx::Shape& in, bool last_only) const {
+    if (head_rows) return {in[0], last_only ? 1 : in[1], static_cast<int>(head_rows)};
+    return embed_rows ? mx::Shape{in[0], in[1], D} : in;
   }
 
   // x [M, D]: rows `ids` of the table (scaled).
@@ -458,36 +472,42 @@ struct StackParams {
     }
   }
 
-  int packed_size(int batch) const {
+  int packed_size(int rows) const {  // rows: B * T
     int n = 0;
-    for (const auto& sp : specs) n += 2 * batch * sp.kv_heads * sp.head_dim;
+    for (const auto& sp : specs) n += 2 * rows * sp.kv_heads * sp.head_dim;
     return n;
   }
 };
 
-// A run of blocks, each as `DecoderBlockStep`, one after another for one new position: outputs the
-// last block's output [B, 1, D] (or, with a head, the logits [B, 1, V] of the final norm and head
-// after it) and every block's new key and value, packed float32 [sum over blocks of 2 * B * Hkv * hd]
-// (block b's keys, then its values, each [B, Hkv, hd]), which `CacheColumnWrite` puts into the
-// stack's cache. One graph node and one task for the whole stack; its inputs are [x (or, with a
-// token table, the token ids [B, 1]), positions (with row_positions), the stack's cache
-// [blocks, 2, B, Hkv, cap, hd]].
+// A run of blocks, each as `DecoderBlockStep`, one after another for T new positions a sequence
+// (one when decoding; a prompt's rest or draft tokens to verify): outputs the last block's output
+// [B, T, D] (or, with a head, the logits [B, T, V] of the final norm and head after it; [B, 1, V],
+// each sequence's last position's, with last_only) and every block's new keys and values, packed
+// float32 [sum over blocks of 2 * B * T * Hkv * hd] (block b's keys, then its values, each
+// [B, T, Hkv, hd]), which `CacheColumnWrite` puts into the stack's cache. One graph node and one
+// task for the whole stack; its inputs are [x (or, with a token table, the token ids [B, T]),
+// positions (with row_positions), the stack's cache [blocks, 2, B, Hkv, cap, hd]].
 class DecoderStackStep : public DecodingPrimitive {
  public:
-  DecoderStackStep(mx::Stream s, std::shared_ptr<const StackParams> params, int offset, bool row_positions)
-      : DecodingPrimitive(s), params_(std::move(params)), offset_(offset), row_positions_(row_positions) {}
+  DecoderStackStep(mx::Stream s, std::shared_ptr<const StackParams> params, int offset, bool row_positions,
+                   bool last_only)
+      : DecodingPrimitive(s),
+        params_(std::move(params)),
+        offset_(offset),
+        row_positions_(row_positions),
+        last_only_(last_only) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
     auto [in, out] = encode(enc, inputs, outputs);
     enc.dispatch([in = std::move(in), out = std::move(out), p = params_, offset = offset_,
-                  row_positions = row_positions_]() mutable {
+                  row_positions = row_positions_, last_only = last_only_]() mutable {
       if (in[kX].size() == 0) return;
       const mx::array& cache = in.back();
       const RowMajorInputs rm(in);
       const float* slabs = static_cast<const float*>(rm.data.back());
       const int64_t slab = static_cast<int64_t>(cache.size()) / std::max<int64_t>(1, 2 * cache.shape(0));
-      const int64_t D = p->D, M = in[kX].shape(0);
+      const int64_t D = p->D, B = in[kX].shape(0), T = in[kX].shape(1), M = B * T;
       std::vector<float> ping(static_cast<size_t>(M * D)), pong(static_cast<size_t>(M * D)), embedded;
       const float* x = static_cast<const float*>(rm.data[kX]);
       if (p->embed_rows) {
@@ -500,6 +520,7 @@ class DecoderStackStep : public DecodingPrimitive {
         BlockSpec sp = p->specs[b];
         sp.offset = offset;
         sp.row_positions = row_positions;
+        sp.new_positions = static_cast<int>(T);
         std::vector<const void*> data = p->data[b];
         data[kX] = x;
         data[kKCache] = slabs + 2 * b * slab;
@@ -507,44 +528,55 @@ class DecoderStackStep : public DecodingPrimitive {
         if (row_positions) data[sp.positions_input()] = rm.data[1];
         const auto& rows = p->rows[b];
         const BlockShape shape{M, D, rows[kUp], cache.shape(4)};
-        const bool last = b + 1 == p->specs.size() && p->head_rows == 0;
+        const bool last = b + 1 == p->specs.size() && p->head_rows == 0;  // (y: the output)
         float* y = last ? out[0].data<float>() : (b % 2 ? pong.data() : ping.data());
         const int64_t kv = M * sp.kv_heads * sp.head_dim;
         run_block(sp, data, rows, shape, y, packed, packed + kv);
         packed += 2 * kv;
         x = y;
       }
-      if (p->head_rows) {  // the final norm and the output head
-        std::vector<float> normed(static_cast<size_t>(M * D));
-        metalnn_train_ops::rms_norm_rows(x, p->head_gain, normed.data(), static_cast<size_t>(M), D, p->head_eps);
+      if (p->head_rows) {  // the final norm and the output head (on each sequence's last row)
+        std::vector<float> lasts;
+        int64_t rows = M;
+        if (last_only && T > 1) {
+          lasts.resize(static_cast<size_t>(B * D));
+          for (int64_t b = 0; b < B; ++b) std::copy(x + ((b + 1) * T - 1) * D, x + (b + 1) * T * D, &lasts[b * D]);
+          x = lasts.data();
+          rows = B;
+        }
+        std::vector<float> normed(static_cast<size_t>(rows * D));
+        metalnn_train_ops::rms_norm_rows(x, p->head_gain, normed.data(), static_cast<size_t>(rows), D, p->head_eps);
         ProjectionProduct head;
-        head.prepare(p->head_weight, p->head_rows, p->head_type, normed.data(), M, D, out[0].data<float>());
-        run_products({&head}, D, M);
+        head.prepare(p->head_weight, p->head_rows, p->head_type, normed.data(), rows, D, out[0].data<float>());
+        run_products({&head}, D, rows);
       }
     });
   }
 
-  METALNN_PRIMITIVE("DecoderStackStep", params_, offset_, row_positions_)
+  METALNN_PRIMITIVE("DecoderStackStep", params_, offset_, row_positions_, last_only_)
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {params_->output_shape(inputs[kX].shape()), {params_->packed_size(inputs[kX].shape(0))}};
+    const auto& x = inputs[kX];
+    return {params_->output_shape(x.shape(), last_only_), {params_->packed_size(x.shape(0) * x.shape(1))}};
   }
 
  private:
   std::shared_ptr<const StackParams> params_;
   int offset_;
   bool row_positions_;
+  bool last_only_;
 };
 
-// The stack's cache [blocks, 2, B, Hkv, cap, hd] with one new column written in every block's keys
-// and values: each sequence's key (or value) [Hkv, hd], taken from `packed` (the stack step's
-// second output: block b's keys [B, Hkv, hd], then its values), at column `offset` (or, with
-// row_positions, at the sequence's own position, clamped to the buffer). Writes in place when MLX
-// may hand the output the cache's buffer (nothing else holds it), else into a copy.
+// The stack's cache [blocks, 2, B, Hkv, cap, hd] with T new columns written in every block's keys
+// and values: each sequence's keys (or values) [T, Hkv, hd], taken from `packed` (the stack step's
+// second output: block b's keys [B, T, Hkv, hd], then its values), at columns `offset` .. offset + T
+// (or, with row_positions, from the sequence's own position, clamped to the buffer as the step
+// clamps it). Writes in place when MLX may hand the output the cache's buffer (nothing else holds
+// it), else into a copy.
 class CacheColumnWrite : public DecodingPrimitive {
  public:
-  CacheColumnWrite(mx::Stream s, int offset, bool row_positions)
-      : DecodingPrimitive(s), offset_(offset), row_positions_(row_positions) {}
+  CacheColumnWrite(mx::Stream s, int offset, bool row_positions, int columns)
+      : DecodingPrimitive(s), offset_(offset), row_positions_(row_positions), columns_(columns) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -561,7 +593,7 @@ class CacheColumnWrite : public DecodingPrimitive {
     std::vector<mx::array> in;
     for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
     enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), in_place, offset = offset_,
-                  row_positions = row_positions_]() mutable {
+                  row_positions = row_positions_, T = int64_t(columns_)]() mutable {
       const mx::array& c = in[0];
       float* dst = out.data<float>();
       if (!in_place) {
@@ -574,22 +606,27 @@ class CacheColumnWrite : public DecodingPrimitive {
       if (cap == 0) return;
       const float* rows = in[1].data<float>();
       const int32_t* positions = row_positions ? in[2].data<int32_t>() : nullptr;
-      for (int64_t i = 0; i < slabs; ++i, rows += B * G * hd, dst += B * G * cap * hd) {
+      if (T > cap) return;
+      for (int64_t i = 0; i < slabs; ++i, rows += B * T * G * hd, dst += B * G * cap * hd) {
         for (int64_t b = 0; b < B; ++b) {
-          const int64_t col = std::clamp<int64_t>(positions ? positions[b] : offset, 0, cap - 1);
-          for (int64_t g = 0; g < G; ++g)
-            std::copy(rows + (b * G + g) * hd, rows + (b * G + g + 1) * hd, dst + ((b * G + g) * cap + col) * hd);
+          const int64_t first = std::clamp<int64_t>(positions ? positions[b] : offset, 0, cap - T);
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t g = 0; g < G; ++g) {
+              const float* row = rows + ((b * T + t) * G + g) * hd;
+              std::copy(row, row + hd, dst + ((b * G + g) * cap + first + t) * hd);
+            }
         }
       }
     });
   }
 
-  METALNN_PRIMITIVE("CacheColumnWrite", offset_, row_positions_)
+  METALNN_PRIMITIVE("CacheColumnWrite", offset_, row_positions_, columns_)
   METALNN_OUTPUTS_SHAPED_LIKE_INPUT(0, 1)
 
  private:
   int offset_;
   bool row_positions_;
+  int columns_;
 };
 
 // The stack's cache [blocks, 2, B, Hkv, cap, hd] with block `slot`'s keys and values [B, Hkv, T, hd]
@@ -860,22 +897,25 @@ struct StackParamsHandle {
   std::shared_ptr<const StackParams> params;
 };
 
-// The stack step and its cache write: [out, the stack's cache with the new position written] (see
-// `DecoderStackStep`); cache: [blocks, 2, B, Hkv, capacity, head_dim], every block's keys and values.
+// The stack step and its cache write: [out, the stack's cache with the new positions written] (see
+// `DecoderStackStep`); x: [B, T, D] (token ids [B, T] with a table); cache: [blocks, 2, B, Hkv,
+// capacity, head_dim], every block's keys and values.
 std::vector<mx::array> decoder_stack_step_op(const mx::array& x, const std::optional<mx::array>& positions,
                                              const mx::array& cache, const std::shared_ptr<const StackParams>& params,
-                                             int offset, mx::StreamOrDevice sd) {
+                                             int offset, bool last_only, mx::StreamOrDevice sd) {
   auto s = mx::to_stream(sd);
   if (s.device != mx::Device::cpu) refuse("runs on CPU streams only");
   const bool row_positions = positions.has_value();
   const size_t n = params->specs.size();
   if (params->embed_rows) {
-    if (x.ndim() != 2 || x.shape(1) != 1 || (x.dtype() != mx::int32 && x.dtype() != mx::uint32))
-      refuse("the token ids must be int32 or uint32 [B, 1] (one new position a sequence), got " +
+    if (x.ndim() != 2 || x.shape(1) < 1 || (x.dtype() != mx::int32 && x.dtype() != mx::uint32))
+      refuse("the token ids must be int32 or uint32 [B, T] (T >= 1 new positions a sequence), got " +
              shape_str(x.shape()));
-  } else if (check_x(x) != params->D) {
-    refuse("x must be float32 [B, 1, " + std::to_string(params->D) + "], got " + shape_str(x.shape()));
+  } else if (x.ndim() != 3 || x.shape(1) < 1 || x.shape(2) != params->D || x.dtype() != mx::float32) {
+    refuse("x must be float32 [B, T, " + std::to_string(params->D) + "] (T >= 1 new positions a sequence), got " +
+           shape_str(x.shape()));
   }
+  const int T = x.shape(1);
   const int B = x.shape(0), G = params->specs[0].kv_heads, hd = params->specs[0].head_dim;
   for (size_t b = 1; b < n; ++b)
     if (params->specs[b].kv_heads != G || params->specs[b].head_dim != hd)
@@ -888,17 +928,20 @@ std::vector<mx::array> decoder_stack_step_op(const mx::array& x, const std::opti
            std::to_string(G) + ", capacity, " + std::to_string(hd) + "] (blocks, keys and values, batch, kv_heads, "
            "capacity, head_dim), got " + std::string(cache.dtype() == mx::float32 ? "" : "a non-float32 array ") +
            shape_str(cache.shape()));
-  if (offset < 0 || offset >= cache.shape(4))
-    refuse("offset " + std::to_string(offset) + " is outside the cache capacity " + std::to_string(cache.shape(4)));
+  if (offset < 0 || offset + T > cache.shape(4))
+    refuse("positions " + std::to_string(offset) + " .. " + std::to_string(offset + T - 1) +
+           " are outside the cache capacity " + std::to_string(cache.shape(4)));
   if (row_positions) expect(*positions, "positions", {B}, mx::int32);
   std::vector<mx::array> inputs = {x};
   if (row_positions) inputs.push_back(*positions);
   inputs.push_back(cache);
-  auto outs = mx::array::make_arrays({params->output_shape(x.shape()), {params->packed_size(B)}}, {mx::float32, mx::float32},
-                                     std::make_shared<DecoderStackStep>(s, params, offset, row_positions), inputs);
+  auto outs = mx::array::make_arrays({params->output_shape(x.shape(), last_only), {params->packed_size(B * T)}},
+                                     {mx::float32, mx::float32},
+                                     std::make_shared<DecoderStackStep>(s, params, offset, row_positions, last_only),
+                                     inputs);
   std::vector<mx::array> write_inputs = {cache, outs[1]};
   if (row_positions) write_inputs.push_back(*positions);
-  mx::array written(cache.shape(), mx::float32, std::make_shared<CacheColumnWrite>(s, offset, row_positions),
+  mx::array written(cache.shape(), mx::float32, std::make_shared<CacheColumnWrite>(s, offset, row_positions, T),
                     std::move(write_inputs));
   return {outs[0], written};
 }
@@ -1027,8 +1070,8 @@ void register_decode_step(nb::module_& m) {
   m.def(
       "decoder_stack_step",
       [](const mx::array& x, const mx::array& cache, const StackParamsHandle& params, int offset,
-         std::optional<mx::array> positions, mx::StreamOrDevice s) {
-        return decoder_stack_step_op(x, positions, cache, params.params, offset, s);
+         std::optional<mx::array> positions, bool last_only, mx::StreamOrDevice s) {
+        return decoder_stack_step_op(x, positions, cache, params.params, offset, last_only, s);
       },
       nb::arg("x"),
       nb::arg("cache"),
@@ -1036,9 +1079,10 @@ void register_decode_step(nb::module_& m) {
       nb::kw_only(),
       nb::arg("offset"),
       nb::arg("positions") = nb::none(),
+      nb::arg("last_only") = false,
       nb::arg("stream") = nb::none(),
       "Consecutive decoder blocks, each as decoder_block_step, as one node, and the stack's cache with "
-      "the new position written: [out, cache] (see metalnn/cpu/decode_step.py).");
+      "the new positions written: [out, cache] (see metalnn/cpu/decode_step.py).");
 
   m.def("stack_columns_write", &stack_columns_write_op, nb::arg("cache"), nb::arg("keys"), nb::arg("values"),
         nb::kw_only(), nb::arg("slot"), nb::arg("start"), nb::arg("stream") = nb::none(),
