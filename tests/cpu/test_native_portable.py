@@ -4,8 +4,10 @@ The x86 kernels sit behind ``METALNN_FM_X86`` / ``METALNN_QMM_X86`` and are chos
 on aarch64 the portable C++ must stand in for every one of them. Each source of
 ``metalnn/cpu/native/fastmath`` is compiled for ``aarch64-linux-gnu`` with the clang of the
 ``ziglang`` wheel (the emulator's compiler), against the installed mlx and nanobind headers, with
-the release build's flags, and with ``-Werror=undefined-internal``: an x86-only function that the
-portable path still calls would otherwise compile and fail only when the library is loaded.
+the release build's language flags, and with ``-Werror=undefined-internal``: an x86-only function
+that the portable path still calls would otherwise compile and fail only when the library is
+loaded. Unoptimised (``-O0``): the check is that the code compiles and generates aarch64 code,
+which takes two thirds of an optimised build's time (26 against 37 s for two of the sources).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _mlx_include() -> Path:
 @pytest.mark.parametrize("source", sorted(p.name for p in SOURCES.glob("*.cpp")))
 def test_native_source_compiles_for_aarch64(source, tmp_path):
     nb = Path(nanobind.include_dir())
-    cmd = [sys.executable, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu", "-std=c++20", "-O1",
+    cmd = [sys.executable, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu", "-std=c++20", "-O0",
            "-fno-math-errno", "-fopenmp-simd", "-Werror=undefined-internal", "-Werror=implicit-function-declaration",
            '-DMETALNN_MLX_VERSION="test"', f"-I{nb}", f"-I{nb.parent / 'ext' / 'robin_map' / 'include'}",
            f"-I{_mlx_include()}", f"-I{sysconfig.get_paths()['include']}",
