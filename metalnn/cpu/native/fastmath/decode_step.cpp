@@ -567,6 +567,33 @@ class DecoderStackStep : public DecodingPrimitive {
   bool last_only_;
 };
 
+// A cache write's output and encoding: `out` takes the cache's (inputs[0]) buffer when `in_place`,
+// else a new one; returns the inputs for the task, which calls `start_write` first.
+std::vector<mx::array> encode_cache_write(mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& inputs,
+                                          mx::array& out, bool in_place) {
+  if (in_place) {
+    out.copy_shared_buffer(inputs[0]);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  return in;
+}
+
+// In the task: the output's buffer, the cache copied into it first unless written in place.
+float* start_write(const mx::array& cache, mx::array& out, bool in_place) {
+  float* dst = out.data<float>();
+  if (!in_place) {
+    std::vector<float> keep;
+    const float* src = metalnn_native::contiguous_data<float>(cache, keep);
+    std::copy(src, src + cache.size(), dst);
+  }
+  return dst;
+}
+
 // The stack's cache [blocks, 2, B, Hkv, cap, hd] with T new columns written in every block's keys
 // and values: each sequence's keys (or values) [T, Hkv, hd], taken from `packed` (the stack step's
 // second output: block b's keys [B, T, Hkv, hd], then its values), at columns `offset` .. offset + T
@@ -583,24 +610,11 @@ class CacheColumnWrite : public DecodingPrimitive {
     const mx::array& cache = inputs[0];
     mx::array& out = outputs[0];
     const bool in_place = cache.is_donatable() && cache.flags().row_contiguous;
-    if (in_place) {
-      out.copy_shared_buffer(cache);
-    } else {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::vector<mx::array> in;
-    for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    auto in = encode_cache_write(enc, inputs, out, in_place);
     enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), in_place, offset = offset_,
                   row_positions = row_positions_, T = int64_t(columns_)]() mutable {
       const mx::array& c = in[0];
-      float* dst = out.data<float>();
-      if (!in_place) {
-        std::vector<float> keep;
-        const float* src = metalnn_native::contiguous_data<float>(c, keep);
-        std::copy(src, src + c.size(), dst);
-      }
+      float* dst = start_write(c, out, in_place);
       const int64_t slabs = int64_t(c.shape(0)) * c.shape(1), B = c.shape(2), G = c.shape(3), cap = c.shape(4),
                     hd = c.shape(5);
       if (cap == 0) return;
@@ -648,24 +662,11 @@ class StackColumnsWrite : public DecodingPrimitive {
     // (the whole buffer, not a view into another array's, and memory MLX allocated)
     const bool in_place = cache.flags().row_contiguous && cache.data_size() == cache.size() &&
                           cache.data_shared_ptr()->is_owned() && cache.data<void>() == cache.buffer().raw_ptr();
-    if (in_place) {
-      out.copy_shared_buffer(cache);
-    } else {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::vector<mx::array> in;
-    for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    auto in = encode_cache_write(enc, inputs, out, in_place);
     enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), in_place, slot = slot_,
                   start = start_]() mutable {
       const mx::array& c = in[0];
-      float* dst = out.data<float>();
-      if (!in_place) {
-        std::vector<float> keep;
-        const float* src = metalnn_native::contiguous_data<float>(c, keep);
-        std::copy(src, src + c.size(), dst);
-      }
+      float* dst = start_write(c, out, in_place);
       const int64_t B = c.shape(2), G = c.shape(3), cap = c.shape(4), hd = c.shape(5), T = in[1].shape(2);
       for (int kv = 0; kv < 2; ++kv) {
         std::vector<float> keep;
