@@ -136,6 +136,12 @@ def test_several_positions_run_as_one_stack_node(tmp_path, variant):
     last = np.array(model(mx.array(toks[:, 8:]), cache=cache, last_only=True))
     assert last.shape == (2, 1, BASE["vocab_size"])
     np.testing.assert_allclose(last[:, 0], got[:, -1], rtol=0, atol=1e-5 * np.abs(got).max())
+    # one position a row with last_only as a list of rows (each row's position 0) is fused too
+    for c in cache:
+        c.offset -= 1
+    one = model(mx.array(toks[:, 11:]), cache=cache, last_only=[0, 0])
+    assert "DecoderStackStep" in node_names(one)
+    np.testing.assert_allclose(np.array(one)[:, 0], got[:, -1], rtol=0, atol=1e-5 * np.abs(got).max())
 
 
 def test_several_positions_past_the_stack_limit_run_block_by_block(tmp_path):

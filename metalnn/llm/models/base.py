@@ -324,12 +324,14 @@ class CausalLM(Layer):
         b, t = ids.shape
         self._check_positions(cache, t)
         rows = None if isinstance(last_only, bool) else self._row_positions(last_only, b, t)
-        if cache is not None and t <= STACK_POSITIONS and isinstance(last_only, bool) and self.logit_softcap is None:
+        # (one position a row: the list's positions are all 0, its last)
+        fused_last = last_only if isinstance(last_only, bool) else (True if t == 1 else None)
+        if cache is not None and t <= STACK_POSITIONS and fused_last is not None and self.logit_softcap is None:
             # a few new positions a sequence (decoding, a prompt's rest after a cached prefix, draft
             # tokens): the blocks, final norm and head as one fused node where the backbone has that
             # step and it runs them (`DecoderStack.fused_logits`)
             fused = getattr(self.backbone, "fused_logits", None)
-            logits = None if fused is None else fused(device, ids, cache, self.output_head, last_only=last_only)
+            logits = None if fused is None else fused(device, ids, cache, self.output_head, last_only=fused_last)
             if logits is not None:
                 return Data(logits, MTLSize(logits.shape[-1], logits.shape[1], b))
         h = self.compile_child(self.backbone, device, Data(ids), cache=cache)
