@@ -302,9 +302,8 @@ class StackCache:
 # New positions a sequence up to which one call runs as one fused node: a short prompt, a prompt's
 # rest after a cached prefix, draft tokens to verify. The node's products are those `metalnn.cpu.ggml`
 # runs natively up to MATMUL_MAX_ROWS rows (beyond, dequantising into a float product wins), and
-# with the rest of the block in the same node it was faster at every length measured: SmolLM2 Q4_1
-# after a 700-token prefix, 2 cores, 20 / 47 / 79 / 494 ms for 2 / 9 / 16 / 128 positions against
-# 52 / 85 / 152 / 743 ms block by block. Longer runs go block by block.
+# with the rest of the block in the same node it was faster at every length measured, 2 to 128
+# (`scripts/bench_prompt_rest.py`, figures in the README). Longer runs go block by block.
 STACK_POSITIONS = 128
 
 

@@ -90,12 +90,17 @@ def float_products():
     ext.ggml_set_int8_rows(old)
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_fused_decoding_matches_transformers(variant, tmp_path):
+def variant_models(variant, folder):
+    """transformers' random model of `VARIANTS[variant]` and metalnn's load of it (saved in ``folder``)."""
     cfg_cls, model_cls, extra = VARIANTS[variant]
     hf = hf_model(cfg_cls, model_cls, **BASE, **extra)
-    hf.save_pretrained(tmp_path)
-    model = load_pretrained(tmp_path)
+    hf.save_pretrained(folder)
+    return hf, load_pretrained(folder)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fused_decoding_matches_transformers(variant, tmp_path):
+    hf, model = variant_models(variant, tmp_path)
     toks = np.random.default_rng(3).integers(0, BASE["vocab_size"], (2, 12))
     got, names = decode_logits(model, toks, 4)
     assert names.count("DecoderStackStep") == 1, names
@@ -113,10 +118,7 @@ def test_several_positions_run_as_one_stack_node(tmp_path, variant):
     # of 3 cross from the cache into the run); the logits are transformers' for the whole sequence at
     # once (a relative 2e-4, as decoding one position at a time); a run's last position alone
     # (last_only) is that run's last row
-    cfg_cls, model_cls, extra = VARIANTS[variant]
-    hf = hf_model(cfg_cls, model_cls, **BASE, **extra)
-    hf.save_pretrained(tmp_path)
-    model = load_pretrained(tmp_path)
+    hf, model = variant_models(variant, tmp_path)
     toks = np.random.default_rng(11).integers(0, BASE["vocab_size"], (2, 12))
     want = hf_logits(hf, toks)
     cache = model.make_cache()
