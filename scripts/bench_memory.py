@@ -1,8 +1,10 @@
 """Peak resident memory while decoding, side by side with llama.cpp on the same GGUF files.
 
-Each side runs in a fresh process, one after the other; its peak resident set is the ``ru_maxrss``
-that ``os.wait4`` reports for it (the kernel's high-water mark of the process, file pages it maps
-included):
+Each side runs in a fresh process, one after the other; its peak resident set is the ``VmHWM`` of
+its ``/proc/PID/status`` (the kernel's high-water mark of the process's memory, file pages it maps
+included), read every 20 ms while it runs; metalnn's process also reports its own at the end. (Not
+``ru_maxrss``: Linux carries the parent's resident set at ``fork`` into the child's ``ru_maxrss``
+across ``exec``, so a child of a large parent would report the parent's size.)
 
 * llama.cpp: ``llama-bench -m FILE -t THREADS -p 0 -n N -r 1`` (loads the model, mapped, and its
   vocabulary, then decodes N tokens one at a time from an empty context);
@@ -79,8 +81,21 @@ print(json.dumps({"metalnn": metalnn.__file__, "load_s": load_s, "tokenizer_s": 
 """
 
 
+def high_water(pid: int) -> int:
+    """The ``VmHWM`` of process ``pid`` in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def spawn(cmd, env=None, cwd=None, timeout: int = 900):
-    """``(stdout, stderr, returncode, peak resident bytes of this child)``, waited with ``os.wait4``."""
+    """``(stdout, stderr, returncode, peak resident bytes of this child)``: the child's ``VmHWM``,
+    read every 20 ms until it exits."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
     out_chunks, err_chunks = [], []
 
@@ -93,20 +108,22 @@ def spawn(cmd, env=None, cwd=None, timeout: int = 900):
     for r in readers:
         r.start()
     deadline = time.monotonic() + timeout
+    peak = 0
     while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        peak = max(peak, high_water(proc.pid))  # before wait4 reaps it: a zombie has no memory to report
+        pid, status, _ = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
         if time.monotonic() > deadline:
             proc.kill()
             os.wait4(proc.pid, 0)
             sys.exit(f"{cmd[0]} ran past {timeout} s")
-        time.sleep(0.05)
+        time.sleep(0.02)
     proc.returncode = os.waitstatus_to_exitcode(status)
     for r in readers:
         r.join()
     return (b"".join(out_chunks).decode(errors="replace"), b"".join(err_chunks).decode(errors="replace"),
-            proc.returncode, usage.ru_maxrss * 1024)
+            proc.returncode, peak)
 
 
 def measure_llamacpp(path: Path, tokens: int, threads: int, bin_folder=None) -> dict:
@@ -131,7 +148,7 @@ def measure_metalnn(path: Path, tokens: int, root: Path = ROOT) -> dict:
     result = json.loads(out.strip().splitlines()[-1])
     if Path(result["metalnn"]).resolve().parents[1] != root.resolve():
         sys.exit(f"measured {result['metalnn']}, not the metalnn of {root}")
-    result["peak"] = peak
+    result["peak"] = max(peak, result["stages"]["decoded"]["VmHWM"])
     result["warnings"] = [l for l in err.splitlines() if "Warning" in l]
     return result
 
