@@ -3,6 +3,8 @@
 The README's test command installs it, so a test that needs it fails (naming the install step)
 rather than skipping when it is missing: a missing install step must not pass unnoticed."""
 
+import functools
+
 import pytest
 
 from metalnn.llm.bundled import SMOLLM2_INSTALL, smollm2_path
@@ -21,3 +23,12 @@ def smollm2_file() -> str:
 def needs_smollm2():
     """Use as ``pytestmark = pytest.mark.usefixtures("needs_smollm2")`` (with this fixture imported)."""
     return smollm2_file()
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_gguf_py():
+    """gguf-py's ``GGUFReader`` of the SmolLM2 file (the independent reader of the tests), parsed once
+    a test session: parsing its 49,152-token vocabulary and merges takes gguf-py several seconds."""
+    import gguf
+
+    return gguf.GGUFReader(smollm2_file())

@@ -25,6 +25,7 @@ import transformers
 from gguf import GGUFReader
 
 import gguf_files as G
+from bundled_model import smollm2_gguf_py
 from metalnn.cli import main as cli
 from metalnn.errors import UnsupportedConfigError
 from metalnn.llm.gguf.export import EXPORT_TYPES, save_gguf, tensor_types
@@ -146,9 +147,7 @@ def test_quantized_exports_read_back_exactly_and_stay_close(sources, exports, na
 
 def test_mix_types_match_llama_quantize_on_smollm2():
     """`tensor_types` on SmolLM2's tensors gives the types llama-quantize chose (`LLAMACPP_TYPES`)."""
-    from metalnn.llm.bundled import smollm2_path
-
-    reader = GGUFReader(str(smollm2_path()))
+    reader = smollm2_gguf_py()
     shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
     for mix, table in LLAMACPP_TYPES.items():
         got = tensor_types(shapes, mix)
@@ -182,7 +181,7 @@ def test_smollm2_export_loads_and_matches(tmp_path):
     src = smollm2_path()
     out = tmp_path / "smollm2-q8_0.gguf"
     assert cli(["export", str(src), str(out), "--type", "q8_0"]) == 0
-    want, got = GGUFReader(str(src)), GGUFReader(str(out))
+    want, got = smollm2_gguf_py(), GGUFReader(str(out))
     assert sorted(t.name for t in got.tensors) == sorted(t.name for t in want.tensors)
     assert {t.tensor_type.name for t in got.tensors} == {"Q8_0", "F32"}
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "llama.block_count",

@@ -8,13 +8,15 @@ import gguf
 import numpy as np
 import pytest
 
+from bundled_model import smollm2_gguf_py
+
 from metalnn.llm.bundled import smollm2_path
 from metalnn.llm.gguf.reader import StringArray, read_header
 
 
-def _gguf_py_strings(path, key) -> list:
+def _gguf_py_strings(reader, key) -> list:
     """gguf-py's reading of a string-array field (an independent reader of the same bytes)."""
-    field = gguf.GGUFReader(path).fields[key]
+    field = reader.fields[key]
     return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
 
 
@@ -22,7 +24,7 @@ def _gguf_py_strings(path, key) -> list:
 def test_the_real_vocabulary_reads_as_gguf_py_reads_it(key):
     path = Path(smollm2_path())
     got = read_header(path).metadata[key]
-    want = _gguf_py_strings(path, key)
+    want = _gguf_py_strings(smollm2_gguf_py(), key)
     assert isinstance(got, StringArray) and len(want) > 40_000
     assert got == want and list(got) == want
     for i in (0, 1, 17, 1000, len(want) // 2, len(want) - 1):
