@@ -3,8 +3,6 @@
 The README's test command installs it, so a test that needs it fails (naming the install step)
 rather than skipping when it is missing: a missing install step must not pass unnoticed."""
 
-import functools
-
 import pytest
 
 from metalnn.llm.bundled import SMOLLM2_INSTALL, smollm2_path
@@ -25,10 +23,9 @@ def needs_smollm2():
     return smollm2_file()
 
 
-@functools.lru_cache(maxsize=1)
 def smollm2_gguf_py():
     """gguf-py's ``GGUFReader`` of the SmolLM2 file (the independent reader of the tests), parsed once
     a test session: parsing its 49,152-token vocabulary and merges takes gguf-py several seconds."""
-    import gguf
+    import gguf_py_cache
 
-    return gguf.GGUFReader(smollm2_file())
+    return gguf_py_cache.reader(smollm2_file())

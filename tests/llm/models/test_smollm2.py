@@ -19,6 +19,7 @@ import transformers
 import metalnn as mn
 from metalnn.llm.bundled import smollm2_path
 from metalnn.llm.models import load_pretrained, load_tokenizer
+import gguf_py_cache
 from bundled_model import needs_smollm2  # noqa: F401  (fixtures)
 
 transformers.logging.set_verbosity_error()
@@ -59,13 +60,15 @@ def ours_tok():
 @pytest.fixture(scope="module")
 def hf():
     folder, name = os.path.split(FILE)
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with gguf_py_cache.parsed_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def hf_tok():
     folder, name = os.path.split(FILE)
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with gguf_py_cache.parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 def test_parameters_stay_quantized(ours):

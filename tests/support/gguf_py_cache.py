@@ -1,0 +1,44 @@
+"""gguf-py's parse of a GGUF file, made once a test session.
+
+gguf-py (the independent reader the tests compare with) parses a file's every metadata item into
+NumPy views: SmolLM2's 49,152-token vocabulary and its merges take it several seconds, and
+transformers' GGUF loading parses the file three times (config, weights, tokenizer) and builds
+gguf-py's tensor-name table once per module of the model. The parse and the table depend only on
+the file and the architecture, so they are kept and given again: the same reference, read once."""
+
+import contextlib
+import functools
+import os
+
+import gguf
+
+_REAL_READER, _REAL_NAME_MAP = gguf.GGUFReader, gguf.get_tensor_name_map
+
+
+@functools.lru_cache(maxsize=4)
+def _read(path: str):
+    return _REAL_READER(path)
+
+
+def reader(path):
+    """gguf-py's read-only ``GGUFReader`` of ``path``, parsed once a session."""
+    return _read(os.path.realpath(os.fspath(path)))
+
+
+def _reader_for(path, mode="r"):
+    return reader(path) if mode == "r" else _REAL_READER(path, mode)
+
+
+_name_map = functools.lru_cache(maxsize=16)(_REAL_NAME_MAP)
+
+
+@contextlib.contextmanager
+def parsed_once():
+    """Within it, ``gguf.GGUFReader(path)`` (read-only) gives `reader`'s parse and
+    ``gguf.get_tensor_name_map`` a kept table (transformers imports both from gguf when it loads
+    a GGUF file)."""
+    gguf.GGUFReader, gguf.get_tensor_name_map = _reader_for, _name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = _REAL_READER, _REAL_NAME_MAP
