@@ -36,6 +36,7 @@ what else the machine runs: the load average is printed before and after.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import signal
@@ -160,13 +161,19 @@ SYSTEM = ("You are a patient assistant for a small bookshop. " + " ".join(
     for i, topic in enumerate(TOPICS * 3)))
 
 
+_VISITS = itertools.count(1)
+
+
 def prefix_phase(url, model, max_tokens, timeout):
     """Time to first token of a chat's first turn (a ~700-token system prompt) and of its second
-    turn (the whole first turn repeated, plus a new question): ``(first, second)`` seconds."""
+    turn (the whole first turn repeated, plus a new question): ``(first, second)`` seconds. The
+    system prompt starts with a number new to the server at each call, so that a later round's
+    first turn is not answered from what an earlier round left in the server's cache."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you have books on the sea?"}]
+    system = f"Visitor number {next(_VISITS)}. {SYSTEM}"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Do you have books on the sea?"}]
 
     def ttft(msgs):
         start, first, text = time.perf_counter(), None, ""
