@@ -326,6 +326,7 @@ def _setup_locked() -> None:
         return
     if _preloaded_shim():
         return
+    _sibling("blas_hook").quiet_openblas_threads()  # (before OpenBLAS loads, when it has not yet)
     numpy_lib, numpy_why = _numpy_path() if choice in ("auto", "numpy") else (None, f"METALNN_BLAS={choice}")
     openblas32 = _openblas_path() if choice in ("auto", "scipy-openblas32") else None
     if _mlx_already_loaded():

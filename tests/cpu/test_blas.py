@@ -17,6 +17,7 @@ import os
 import platform
 import re
 import shutil
+import site
 import subprocess
 import sys
 import sysconfig
@@ -290,6 +291,31 @@ def test_hook_is_light_at_startup():
         assert out["hooks"] == []
 
 
+@pytest.mark.skipif(not LINUX, reason="the startup hook acts on Linux only")
+@pytest.mark.parametrize("given,want", [(None, "20"), ("8", "8"), ("off", None)],
+                         ids=["default", "yours-kept", "metalnn-blas-off"])
+def test_startup_shortens_openblas_polling_unless_told_otherwise(given, want):
+    """A fresh interpreter starts with OPENBLAS_THREAD_TIMEOUT=20 (OpenBLAS's threads sleep ~0.4 ms
+    after a product instead of polling ~0.1 s), set before anything can load OpenBLAS; a value of
+    your own stays; METALNN_BLAS=off leaves the environment alone. The same holds after `import
+    metalnn` from an interpreter that started without it."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if given == "off":
+        env["METALNN_BLAS"] = "off"
+    elif given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    code = "import json, os\nprint(json.dumps(os.environ.get('OPENBLAS_THREAD_TIMEOUT')))\n"
+    at_start = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert at_start.returncode == 0, at_start.stderr
+    assert json.loads(at_start.stdout.strip().splitlines()[-1]) == want
+    # without site-packages' hooks (python -S, the source tree on sys.path): `import metalnn` sets it
+    env["PYTHONPATH"] = os.pathsep.join([REPO, *site.getsitepackages()])
+    late = subprocess.run([sys.executable, "-S", "-c", "import metalnn\n" + code], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=REPO)
+    assert late.returncode == 0, late.stderr
+    assert json.loads(late.stdout.strip().splitlines()[-1]) == want
+
+
 @needs_shim
 def test_hook_failure_never_breaks_import_mlx():
     """If metalnn's BLAS setup raises inside the hook, `import mlx.core` still works (warns)."""
@@ -410,7 +436,7 @@ def test_fallback_compiles_shim_into_cache(tmp_path):
     assert shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"), "no C compiler on PATH"
     pkg = tmp_path / "pkg"
     (pkg / "native").mkdir(parents=True)
-    for name in ("blas.py", "blas_libs.py", "blas_threads.py"):  # blas.py loads its siblings by path
+    for name in ("blas.py", "blas_libs.py", "blas_threads.py", "blas_hook.py"):  # blas.py loads its siblings by path
         shutil.copy(os.path.join(os.path.dirname(BLAS_PY), name), pkg / name)
     for src in glob.glob(os.path.join(os.path.dirname(SHIM_C), "*.[ch]")):  # the shim's sources
         shutil.copy(src, pkg / "native" / os.path.basename(src))
