@@ -6,7 +6,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -248,6 +247,8 @@ class Trainer:
         return path
 
     def _write_checkpoint(self, path, opt_state):
+        import shutil  # (checkpoints alone need it: not imported with metalnn)
+
         tmp = path.with_name(path.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -269,6 +270,8 @@ class Trainer:
     def _prune(self):
         if not self.keep_checkpoints:
             return
+        import shutil
+
         ckpts = sorted(p for p in self.checkpoint_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
         for old in ckpts[:-self.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)

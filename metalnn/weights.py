@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -270,6 +269,8 @@ def save_safetensors(path, arrays: dict, metadata: dict | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {k: (v if isinstance(v, mx.array) else mx.array(v)) for k, v in arrays.items()}
     mx.eval(list(arrays.values()))
+    import tempfile  # (only saving needs it: not imported with metalnn)
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".safetensors", dir=path.parent)
     os.close(fd)
     try:

@@ -44,13 +44,9 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import hashlib
 import importlib.util
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 
@@ -149,6 +145,8 @@ def _cache_dir() -> str:
 
 
 def _find_compiler() -> str | None:
+    import shutil
+
     for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cand:
             path = shutil.which(cand.split()[0])
@@ -159,6 +157,10 @@ def _find_compiler() -> str | None:
 
 def _compile_shim() -> tuple[str | None, str]:
     """Compile the shim into the user cache dir. Returns (path, error)."""
+    import hashlib  # (here, not at the top: the shim is compiled rarely, and these modules cost every
+    import subprocess  # process ~5 MiB resident: hashlib loads libcrypto)
+    import tempfile
+
     missing = [p for p in _SHIM_SOURCES + _SHIM_HEADERS if not os.path.isfile(p)]
     if missing:
         return None, f"shim source {missing[0]} not found"

@@ -31,13 +31,19 @@ _NANOBIND_KEY = re.compile(rb"nanobind_[A-Za-z0-9_]+_a\d+_v\d+(?:_stable)?")
 _state: dict = {}
 
 
-def _installed_mlx_version() -> str:
+def _installed_mlx_version(built_for: str | None = None) -> str:
+    """The installed mlx's version as its package metadata gives it (what the build tag records).
+    ``mlx.core.__version__`` is the same string for released mlx, so when it equals ``built_for`` the
+    metadata is not read (importlib.metadata's imports cost every process ~4 MiB resident)."""
+    quick = getattr(mx, "__version__", None)
+    if quick is not None and quick == built_for:
+        return quick
     try:
         from importlib.metadata import version
 
         return version("mlx")
     except Exception:  # pragma: no cover - metadata missing
-        return getattr(mx, "__version__", "unknown")
+        return quick or "unknown"
 
 
 def _scan(path: str, pattern: re.Pattern) -> bytes | None:
@@ -69,7 +75,7 @@ def _load():
             "warning printed at install)"
         )
     built_for = _scan(spec.origin, _BUILD_TAG)
-    runtime = _installed_mlx_version()
+    runtime = _installed_mlx_version(built_for.decode() if built_for else None)
     if built_for is None:
         return _refuse(f"{spec.origin} carries no mlx build tag (an old or foreign build); rebuild metalnn", warn=True)
     if built_for.decode() != runtime:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -254,6 +253,8 @@ def save_adapters(model, folder, base_model_name_or_path: str | None = None) -> 
         tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = m.lora_B.weight
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors(folder / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
+    import tempfile  # (only saving needs it: not imported with metalnn)
+
     fd, tmp = tempfile.mkstemp(prefix=".adapter_config.", suffix=".json", dir=folder)
     with os.fdopen(fd, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
