@@ -263,14 +263,14 @@ def save_safetensors(path, arrays: dict, metadata: dict | None = None) -> None:
 
     A crash or error mid-save leaves any existing file at ``path`` untouched.
     """
+    import tempfile  # (only saving needs it: not imported with metalnn)
+
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"save: path must end in .safetensors, got {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {k: (v if isinstance(v, mx.array) else mx.array(v)) for k, v in arrays.items()}
     mx.eval(list(arrays.values()))
-    import tempfile  # (only saving needs it: not imported with metalnn)
-
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".safetensors", dir=path.parent)
     os.close(fd)
     try:

@@ -245,6 +245,8 @@ def adapter_config(model, base_model_name_or_path: str | None = None) -> dict:
 
 def save_adapters(model, folder, base_model_name_or_path: str | None = None) -> Path:
     """Write the adapters in PEFT's layout into ``folder`` (created; files replaced atomically)."""
+    import tempfile  # (only saving needs it: not imported with metalnn)
+
     folder = Path(folder)
     cfg = adapter_config(model, base_model_name_or_path)
     tensors = {}
@@ -253,8 +255,6 @@ def save_adapters(model, folder, base_model_name_or_path: str | None = None) -> 
         tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = m.lora_B.weight
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors(folder / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
-    import tempfile  # (only saving needs it: not imported with metalnn)
-
     fd, tmp = tempfile.mkstemp(prefix=".adapter_config.", suffix=".json", dir=folder)
     with os.fdopen(fd, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
