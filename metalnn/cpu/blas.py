@@ -157,8 +157,10 @@ def _find_compiler() -> str | None:
 
 def _compile_shim() -> tuple[str | None, str]:
     """Compile the shim into the user cache dir. Returns (path, error)."""
-    import hashlib  # (here, not at the top: the shim is compiled rarely, and these modules cost every
-    import subprocess  # process ~5 MiB resident: hashlib loads libcrypto)
+    # (imported here, not at the top: the shim is compiled rarely, and these modules would cost every
+    # process ~5 MiB resident, hashlib loading libcrypto)
+    import hashlib
+    import subprocess
     import tempfile
 
     missing = [p for p in _SHIM_SOURCES + _SHIM_HEADERS if not os.path.isfile(p)]
