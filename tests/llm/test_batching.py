@@ -218,6 +218,27 @@ def test_generator_limits_eos_and_cancel(checkpoints):
         gen.add([], max_tokens=3)
 
 
+def test_first_token_returns_before_decoding_only_when_the_batch_was_empty(checkpoints):
+    """Into an empty batch, a prompt's first token returns from the step that sampled it, no
+    decoding step queued yet (`BatchGenerator.steps` counts those); a prompt joining a running
+    batch does not hold the others back: that step decodes them too. The tokens stay those of
+    `generate` alone."""
+    _, model = checkpoints("llama_gqa")
+    gen = BatchGenerator(model, prefill_chunk=64)
+    a = gen.add([1, 2, 3], max_tokens=6)
+    events = gen.step()
+    assert [(e.uid, e.token) for e in events] == [(a.uid, a.tokens[0])] and gen.steps == 0
+    gen.step()
+    assert gen.steps == 1
+    b = gen.add([4, 5], max_tokens=6)
+    before = gen.steps
+    events = gen.step()
+    assert b.uid in [e.uid for e in events] and gen.steps == before + 1
+    while gen:
+        gen.step()
+    assert a.tokens == greedy_alone(model, [1, 2, 3], 6) and b.tokens == greedy_alone(model, [4, 5], 6)
+
+
 def test_ragged_batch_decodes_in_the_fused_step(checkpoints):
     import io
     import re
