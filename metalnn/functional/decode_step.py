@@ -285,18 +285,22 @@ class StackCache:
             ValueError: a cache holding keys or values of another batch size, head count or width.
         """
         n = caches[0].offset
+        shape = (len(caches), 2, batch, kv_heads, capacity, head_dim)
+        if n == 0:
+            return cls(caches, mx.zeros(shape, mx.float32))
         slabs = []
         for i, c in enumerate(caches):
             for name, a in (("keys", c.keys), ("values", c.values)):
-                if a is None or n == 0:
-                    slabs.append(mx.zeros((batch, kv_heads, capacity, head_dim), mx.float32))
+                if a is None:
+                    slabs.append(mx.zeros((batch, kv_heads, n, head_dim), mx.float32))
                     continue
                 if a.ndim != 4 or a.shape[:2] != (batch, kv_heads) or a.shape[3] != head_dim or a.shape[2] < n:
                     raise ValueError(f"decoder_stack_step: block {i}'s cache holds {name} of shape {tuple(a.shape)}, "
                                      f"expected [{batch}, {kv_heads}, at least {n}, {head_dim}]")
-                slabs.append(mx.pad(a[..., :n, :].astype(mx.float32), [(0, 0), (0, 0), (0, capacity - n), (0, 0)]))
-        buffer = mx.stack(slabs).reshape(len(caches), 2, batch, kv_heads, capacity, head_dim)
-        return cls(caches, buffer)
+                slabs.append(a[..., :n, :].astype(mx.float32))
+        # (stacked, then padded once: two copies of the positions held, not one a block and then the stack's)
+        buffer = mx.pad(mx.stack(slabs), [(0, 0)] * 3 + [(0, capacity - n), (0, 0)])
+        return cls(caches, buffer.reshape(shape))
 
 
 # New positions a sequence up to which one call runs as one fused node: a short prompt, a prompt's
