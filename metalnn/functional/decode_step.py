@@ -298,7 +298,8 @@ class StackCache:
                     raise ValueError(f"decoder_stack_step: block {i}'s cache holds {name} of shape {tuple(a.shape)}, "
                                      f"expected [{batch}, {kv_heads}, at least {n}, {head_dim}]")
                 slabs.append(a[..., :n, :].astype(mx.float32))
-        # (stacked, then padded once: two copies of the positions held, not one a block and then the stack's)
+        # (the held positions stacked, then padded to the capacity once: not every block padded to the
+        # capacity and all of them copied again by the stack)
         buffer = mx.pad(mx.stack(slabs), [(0, 0)] * 3 + [(0, capacity - n), (0, 0)])
         return cls(caches, buffer.reshape(shape))
 
