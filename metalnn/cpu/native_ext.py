@@ -74,15 +74,16 @@ def _load():
             "Linux when CMake, a C++20 compiler and the pinned nanobind are available; see the "
             "warning printed at install)"
         )
-    built_for = _scan(spec.origin, _BUILD_TAG)
-    runtime = _installed_mlx_version(built_for.decode() if built_for else None)
-    if built_for is None:
+    tag = _scan(spec.origin, _BUILD_TAG)
+    if tag is None:
         return _refuse(f"{spec.origin} carries no mlx build tag (an old or foreign build); rebuild metalnn", warn=True)
-    if built_for.decode() != runtime:
+    built_for = tag.decode()
+    runtime = _installed_mlx_version(built_for)
+    if built_for != runtime:
         return _refuse(
-            f"the native extension was built against mlx {built_for.decode()} but mlx {runtime} is "
+            f"the native extension was built against mlx {built_for} but mlx {runtime} is "
             "installed, and its primitives are only ABI-compatible with the mlx they were built "
-            f"with; install mlx {built_for.decode()}, or rebuild metalnn against the installed mlx "
+            f"with; install mlx {built_for}, or rebuild metalnn against the installed mlx "
             "(pip install --no-build-isolation --no-cache-dir --force-reinstall --no-deps <metalnn>)",
             warn=True,
         )
