@@ -96,6 +96,11 @@ def build_harness(folder: Path, home: Path) -> Path:
     return exe
 
 
+def ms(t: float) -> str:
+    """A time in milliseconds with three significant digits (weights that fit in the caches take < 1 ms)."""
+    return f"{t:.1f}" if t >= 10 else f"{t:.{2 if t >= 1 else 3}f}"
+
+
 def time_metalnn(cls, weights, x, repeat: int) -> float:
     import mlx.core as mx
     from metalnn.cpu import ggml as cg
@@ -165,16 +170,16 @@ def main(argv=None):
                     if diff > 0.05:
                         sys.exit(f"{name}: metalnn and llama.cpp disagree (max difference {diff:.3g} of the largest)")
                 rows.append((name, threads, mb, peer, times[False], times[True]))
-                print(f"  {name} {threads} thread(s): llama.cpp {peer:.1f} ms ({mb / peer:.1f} GB/s); metalnn float "
-                      f"inputs {times[False]:.1f} ms ({peer / times[False]:.2f}x), int8 inputs {times[True]:.1f} ms "
+                print(f"  {name} {threads} thread(s): llama.cpp {ms(peer)} ms ({mb / peer:.1f} GB/s); metalnn float "
+                      f"inputs {ms(times[False])} ms ({peer / times[False]:.2f}x), int8 inputs {ms(times[True])} ms "
                       f"({peer / times[True]:.2f}x)", flush=True)
             del weights
     print(f"\n{common.load_line()}")
     print("| type | threads | llama.cpp vec_dot | metalnn float inputs | ratio | metalnn int8 inputs | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, threads, mb, peer, f32, i8 in rows:
-        print(f"| {name} | {threads} | {peer:.1f} ms ({mb / peer:.1f} GB/s) | {f32:.1f} ms | {peer / f32:.2f}x | "
-              f"{i8:.1f} ms | {peer / i8:.2f}x |")
+        print(f"| {name} | {threads} | {ms(peer)} ms ({mb / peer:.1f} GB/s) | {ms(f32)} ms | {peer / f32:.2f}x | "
+              f"{ms(i8)} ms | {peer / i8:.2f}x |")
 
 
 if __name__ == "__main__":
