@@ -22,7 +22,7 @@ import argparse
 import sys
 
 from . import bench, chat, export, generate, grpo, info, lora, preference, quantize, serve
-from .common import EXPECTED_ERRORS, one_line, use_int8_products
+from .common import EXPECTED_ERRORS, one_line, use_product_inputs
 
 COMMANDS = (info, generate, chat, serve, quantize, export, lora, preference, grpo, bench)
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        with use_int8_products(args):
+        with use_product_inputs(args):
             return args.run(args) or 0
     except KeyboardInterrupt:
         sys.stderr.write("\n")

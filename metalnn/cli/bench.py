@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from .common import CommandError, add_int8_products, add_model, load, positive_int
+from .common import CommandError, add_product_inputs, add_model, load, positive_int
 
 
 def add_parser(commands):
@@ -14,7 +14,7 @@ def add_parser(commands):
         "generation tokens/s (the following tokens, greedy, no early stop). One warm-up run, then the median "
         "of --runs runs. --prompt-tokens plus --gen-tokens must fit the model's context length."))
     add_model(p)
-    add_int8_products(p)
+    add_product_inputs(p)
     p.add_argument("--prompt-tokens", type=positive_int, default=128, metavar="N", help="prompt length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, metavar="N", help="tokens to generate (default 64)")
     p.add_argument("--runs", type=positive_int, default=3, metavar="N", help="measured runs (default 3)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_adapter, add_int8_products, add_model, add_sampling, load, sampling
+from .common import add_adapter, add_product_inputs, add_model, add_sampling, load, sampling
 
 HELP = "[/reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer]\n"
 
@@ -24,7 +24,7 @@ def add_parser(commands):
         "may get fewer tokens than --max-tokens when the message leaves less room; a message too long on its "
         "own is refused and the chat goes on."))
     add_model(p)
-    add_int8_products(p)
+    add_product_inputs(p)
     add_adapter(p)
     p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
     add_sampling(p, max_tokens=512)

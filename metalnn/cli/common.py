@@ -31,20 +31,27 @@ def add_model(parser):
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
 
 
-def add_int8_products(parser):
-    """``--int8-products``: decode GGUF models with int8 product inputs (see `use_int8_products`)."""
-    parser.add_argument("--int8-products", action="store_true", help=(
+def add_product_inputs(parser):
+    """``--int8-products`` / ``--exact-products``: the GGUF products' inputs (see `use_product_inputs`)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--int8-products", action="store_true", help=(
         "decode GGUF models with the products' inputs quantized to int8 per 32 values (256 for Q4_K, Q5_K, "
         "Q6_K), as llama.cpp does: "
         "1.1-1.3x faster decoding on the CPU, a little less exact (default: float32 inputs, the products of "
-        "the dequantized weights)"))
+        "the dequantized weights; Q4_K, Q5_K and Q6_K as two int8 levels, within ~3e-6 of them)"))
+    group.add_argument("--exact-products", action="store_true", help=(
+        "take every GGUF product's input in float32, also Q4_K, Q5_K and Q6_K's (by default two int8 levels "
+        "when decoding: 1.1-1.2x faster decoding of Q4_K_M files, within ~3e-6 of the float products)"))
 
 
-def use_int8_products(args):
+def use_product_inputs(args):
     """The context in which a command runs: `metalnn.functional.ggml_int8_inputs` when the command
-    has ``--int8-products`` and it was given."""
-    from ..functional import ggml_int8_inputs
+    has ``--int8-products`` and it was given, `metalnn.functional.ggml_exact_inputs` for
+    ``--exact-products``."""
+    from ..functional import ggml_exact_inputs, ggml_int8_inputs
 
+    if getattr(args, "exact_products", False):
+        return ggml_exact_inputs()
     return ggml_int8_inputs(bool(getattr(args, "int8_products", False)))
 
 

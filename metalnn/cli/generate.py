@@ -6,7 +6,7 @@ import dataclasses
 import io
 import sys
 
-from .common import (CommandError, add_adapter, add_int8_products, add_model, add_sampling, add_split, fit_context,
+from .common import (CommandError, add_adapter, add_product_inputs, add_model, add_sampling, add_split, fit_context,
                      launch_group, load, sampling, shared_seed)
 
 
@@ -17,7 +17,7 @@ def add_parser(commands):
         "stay within the model's context length: a prompt that fills it is refused, and --max-tokens is lowered "
         "to the room the prompt leaves (with a note on stderr)."))
     add_model(p)
-    add_int8_products(p)
+    add_product_inputs(p)
     add_adapter(p)
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt ('-' reads it from stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")

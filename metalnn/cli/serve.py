@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import CommandError, add_int8_products, add_model, add_split, positive_int
+from .common import CommandError, add_product_inputs, add_model, add_split, positive_int
 
 
 def add_parser(commands):
@@ -17,7 +17,7 @@ def add_parser(commands):
         "environment variable METALNN_API_KEY, in that order) every path but / and /health answers 401 without "
         "'Authorization: Bearer KEY'; the chat page asks for it."))
     add_model(p)
-    add_int8_products(p)
+    add_product_inputs(p)
     add_split(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")

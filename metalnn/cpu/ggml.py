@@ -12,7 +12,8 @@ and BF16):
   time (a few input rows: 32 values at a time as int8 levels, widened to float, the sub-block scales
   applied to the partial sums; more rows: a few weight rows decoded to a float tile shared by all the
   input rows); the i-quant codebook types and TQ1_0 decode a block at a time into a buffer; elsewhere
-  portable C++ runs. The result is ``x @ dequantize(W).T`` up to the order of the float32 sums.
+  portable C++ runs. The result is ``x @ dequantize(W).T`` up to the order of the float32 sums (Q4_K,
+  Q5_K and Q6_K with one or two input rows: within ~3e-6 of ``sum |w x|``, see `split_inputs`).
 * `dequantize` gives the same floats as the type's MLX decoder (`metalnn.ggml.GGMLType.decode`),
   bit for bit, threaded over rows.
 
@@ -36,7 +37,8 @@ from . import native_ext as _native_ext
 from .device import on_cpu
 
 __all__ = ["matmul", "dequantize", "available", "unavailable_reason", "supports", "has_avx2", "native_types",
-           "native_type_ids", "int8_input_rows", "set_int8_input_rows", "MATMUL_MAX_ROWS"]
+           "native_type_ids", "int8_input_rows", "set_int8_input_rows", "split_inputs", "set_split_inputs",
+           "MATMUL_MAX_ROWS"]
 
 # The loaded extension or None; read at every call (tests swap in None for the fallback).
 _ext = _native_ext.extension()
@@ -90,6 +92,30 @@ def set_int8_input_rows(rows: int) -> None:
         raise ValueError(f"set_int8_input_rows: rows must be an int >= 0, got {rows!r}")
     if _ext is not None:
         _ext.ggml_set_int8_rows(rows)
+
+
+def split_inputs() -> bool:
+    """Whether Q4_K, Q5_K and Q6_K products of one or two input rows take the input as two int8
+    levels (True: the default).
+
+    Every 256 input values become ``d * a + d2 * b``: ``a`` the int8 levels at ``d = max|x| / 127``
+    (llama.cpp's Q8_K input), ``b`` the residual's levels at ``d2 = max|residual| / 127 <= d / 254``,
+    so each value is within ``max|x| / 64516`` of the float32 input and a product within ~3e-6 of
+    ``sum |w x|`` (one int8 level: ~4e-3; float32 inputs: ~2e-8). The products are integer dot
+    products with both levels: 1.2-1.6x faster than with float32 inputs on one decoding row
+    (``scripts/bench_products_llamacpp.py``). ``METALNN_GGML_SPLIT_INPUTS=0`` in the environment
+    switches it off at start-up; `metalnn.functional.ggml_exact_inputs` (the commands'
+    ``--exact-products``) for a block. `int8_input_rows`, where it applies, takes precedence.
+    """
+    return bool(_ext.ggml_get_split_inputs()) if _ext is not None else False
+
+
+def set_split_inputs(enabled: bool) -> None:
+    """Set `split_inputs` (False: every product takes its input in float32, unless int8)."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"set_split_inputs: enabled must be a bool, got {enabled!r}")
+    if _ext is not None:
+        _ext.ggml_set_split_inputs(enabled)
 
 
 def _type(type_name):

@@ -16,7 +16,7 @@ from .decode_step import BlockStep, StackCache, StackEmbedding, StackHead, decod
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from .gated_delta import gated_delta_rule
 from .gather import gather_matmul
-from .ggml import ggml_dequantize, ggml_int8_inputs, ggml_matmul
+from .ggml import ggml_dequantize, ggml_exact_inputs, ggml_int8_inputs, ggml_matmul
 from .losses import cross_entropy_rows
 from .optim import adamw_update
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
@@ -27,6 +27,6 @@ from .ssd import ssd_scan
 __all__ = ["activation", "check_activation", "gated_activation", "attention", "attention_reference", "causal_mask",
            "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
            "BlockStep", "StackCache", "StackEmbedding", "StackHead", "decoder_block_step", "decoder_stack_step",
-           "gated_delta_rule", "gather_matmul", "ggml_matmul", "ggml_dequantize", "ggml_int8_inputs", "cross_entropy_rows", "adamw_update", "quantize_weight", "dequantize_weight",
+           "gated_delta_rule", "gather_matmul", "ggml_matmul", "ggml_dequantize", "ggml_int8_inputs", "ggml_exact_inputs", "cross_entropy_rows", "adamw_update", "quantize_weight", "dequantize_weight",
            "quantized_matmul", "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
            "rope", "rope_reference", "ssd_scan"]

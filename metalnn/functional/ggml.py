@@ -107,8 +107,8 @@ def ggml_int8_inputs(enabled: bool = True):
     llama.cpp computes them (every 32 input values, 256 for Q4_K, Q5_K and Q6_K, become int8 levels
     and a scale max|x| / 127; integer dot products per block) when they have at most
     `INT8_INPUT_ROWS` input rows, which is what decoding runs: 1.1-1.3x faster decoding of GGUF
-    models, a little less exact (the default float32 inputs give ``x @ dequantize(W).T`` up to the
-    order of the sums). The setting is
+    models, a little less exact (the default inputs give ``x @ dequantize(W).T`` up to the order of
+    the sums, or within ~3e-6 of ``sum |w x|``: `ggml_exact_inputs`). The setting is
     process-wide (`metalnn.cpu.ggml.set_int8_input_rows`) and restored on exit; ``enabled=False``
     leaves it as it is. No effect off the CPU or without the native extension."""
     if not enabled:
@@ -120,3 +120,21 @@ def ggml_int8_inputs(enabled: bool = True):
         yield
     finally:
         cpu_ggml.set_int8_input_rows(old)
+
+
+@contextlib.contextmanager
+def ggml_exact_inputs(enabled: bool = True):
+    """Within the block, products with GGML weights on the CPU take their input in float32 (the
+    products of the dequantized weights up to the order of the float32 sums), also for Q4_K, Q5_K and
+    Q6_K, whose decoding products otherwise take it as two int8 levels (`metalnn.cpu.ggml.split_inputs`:
+    within ~3e-6 of ``sum |w x|``, 1.2-1.6x faster). The setting is process-wide and restored on exit;
+    ``enabled=False`` leaves it as it is. No effect off the CPU or without the native extension."""
+    if not enabled:
+        yield
+        return
+    old = cpu_ggml.split_inputs()
+    cpu_ggml.set_split_inputs(False)
+    try:
+        yield
+    finally:
+        cpu_ggml.set_split_inputs(old)

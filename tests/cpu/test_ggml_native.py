@@ -13,7 +13,10 @@ value; the tests allow 4 K * 2^-24 * (|x| @ |W|.T) elementwise (the errors seen 
 Half-precision results are that float32 sum rounded once (float16 2^-11, bfloat16 2^-8 relative).
 With int8 inputs every 32 inputs x_k (256 for Q4_K, Q5_K and Q6_K, as llama.cpp's Q8_K) are replaced
 by d * round(x_k / d), d = max|x| / 127 over the run, so each moves by at most d / 2: the product moves by at most sum_k |w_k| d_k / 2 more (added to
-the bound; the errors seen are 20-50x smaller).
+the bound; the errors seen are 20-50x smaller). With split inputs (Q4_K, Q5_K and Q6_K on the register
+kernels, up to 2 input rows: the default, on the "registers_2threads" path; "registers_1thread" runs
+the float kernels) every 256 inputs become d * a + d2 * b with d2 <= d / 254, each within d2 / 2 of
+x_k: the bound gains sum_k |w_k| d_k / 508.
 """
 
 import io
@@ -45,8 +48,10 @@ def primitives(*arrays) -> set:
 PATHS = ["registers_2threads", "registers_1thread", "int8_registers", "decoded_3threads", "decoded_1thread", "portable",
          "mlx_ops"]
 
-# whether the current path quantizes the inputs to int8 (set by the `path` fixture)
-INT8 = {"on": False}
+# whether the current path quantizes the inputs to int8, or splits them into two int8 levels (set by
+# the `path` fixture)
+INT8 = {"on": False, "split": False}
+SPLIT_TYPES, SPLIT_ROWS = {"Q4_K", "Q5_K", "Q6_K"}, 2  # uses_split / kSplitRows in ggml_kernels.h
 
 
 def require_native():
@@ -64,16 +69,20 @@ def path(request, monkeypatch):
     require_native()
     ext = cg._ext
     threads = {"registers_1thread": 1, "decoded_3threads": 3, "decoded_1thread": 1}.get(request.param, 2)
-    old = ic.get_num_threads(), ext.ggml_get_force_scalar(), ext.ggml_get_register_rows(), ext.ggml_get_int8_rows()
+    old = (ic.get_num_threads(), ext.ggml_get_force_scalar(), ext.ggml_get_register_rows(), ext.ggml_get_int8_rows(),
+           ext.ggml_get_split_inputs())
     ic.set_num_threads(threads)
     ext.ggml_set_force_scalar(request.param == "portable")
     ext.ggml_set_register_rows(1 << 20 if "registers" in request.param else 0)
     INT8["on"] = request.param == "int8_registers"
     ext.ggml_set_int8_rows(1 << 20 if INT8["on"] else 0)
+    INT8["split"] = request.param == "registers_2threads"
+    ext.ggml_set_split_inputs(INT8["split"])
     try:
         yield request.param
     finally:
-        INT8["on"] = False
+        INT8["on"] = INT8["split"] = False
+        ext.ggml_set_split_inputs(old[4])
         ic.set_num_threads(old[0])
         ext.ggml_set_force_scalar(old[1])
         ext.ggml_set_register_rows(old[2])
@@ -94,10 +103,14 @@ def rand(shape, seed):
 
 def int8_bound(xn, wf, qtype=None):
     """sum_k |w_k| d_k / 2 for inputs xn [M, K] quantized to int8 in runs of 32 (256 for the K-quants
-    with their own loops; 0 unless the path quantizes, and for types without a register kernel)."""
+    with their own loops; 0 unless the path quantizes, and for types without a register kernel), or
+    sum_k |w_k| d_k / 508 for split inputs (qtype given)."""
+    if INT8["split"] and qtype in SPLIT_TYPES and xn.shape[0] <= SPLIT_ROWS and xn.shape[-1] % 256 == 0:
+        d = np.abs(xn).reshape(xn.shape[0], -1, 256).max(-1) / 127
+        return (np.repeat(d, 256, axis=1) / 508) @ np.abs(wf.astype(np.float64)).T
     if not INT8["on"] or (qtype is not None and qtype not in REGISTER_TYPES) or xn.shape[-1] % 32:
         return 0.0
-    run = 256 if qtype in ("Q4_K", "Q5_K", "Q6_K") and xn.shape[-1] % 256 == 0 else 32
+    run = 256 if qtype in SPLIT_TYPES and xn.shape[-1] % 256 == 0 else 32
     d = np.abs(xn).reshape(xn.shape[0], -1, run).max(-1) / 127
     return (np.repeat(d, run, axis=1) / 2) @ np.abs(wf.astype(np.float64)).T
 
@@ -339,3 +352,55 @@ def test_int8_input_rows_setting():
         assert cg.int8_input_rows() == 4
     finally:
         cg.set_int8_input_rows(old)
+
+
+def test_split_inputs_setting():
+    require_native()
+    old = cg.split_inputs()
+    try:
+        cg.set_split_inputs(False)
+        assert cg.split_inputs() is False and cg._ext.ggml_get_split_inputs() is False
+        for bad in (0, 1, None, "yes"):
+            with pytest.raises(ValueError, match="enabled must be a bool"):
+                cg.set_split_inputs(bad)
+        assert cg.split_inputs() is False
+    finally:
+        cg.set_split_inputs(old)
+
+
+@pytest.mark.parametrize("qtype", sorted(SPLIT_TYPES))
+def test_split_inputs_within_their_bound(qtype):
+    """Q4_K, Q5_K and Q6_K with one or two input rows take split inputs: the product differs from
+    the float kernel's and is within the split bound sum_k |w_k| d_k / 508 plus 256 * 2^-24 * sum|w x|
+    (each block's integer sums are exact; their conversion, scaling and accumulation over the 8
+    blocks, and the minimums' float sums of 32 inputs, round well under 64 times), and its largest
+    error is under a hundredth of one int8 level's (the int8 inputs of the same product); with three
+    rows the float kernel runs (the same bits as with split inputs switched off)."""
+    require_native()
+    old = cg._ext.ggml_get_register_rows(), cg.split_inputs(), cg.int8_input_rows()
+    w, wf = packed(qtype, 96, 8, seed=11)  # K = 2048
+    wa = np.abs(wf.astype(np.float64))
+    rng = np.random.default_rng(12)
+    try:
+        cg._ext.ggml_set_register_rows(4)
+        for m in (1, 2, 3):
+            x = mx.array((rng.standard_normal((m, 2048)) * rng.exponential(1.0, (m, 2048))).astype(np.float32))
+            got = {}
+            for mode in ("float", "split", "int8"):
+                cg.set_split_inputs(mode == "split")
+                cg.set_int8_input_rows(4 if mode == "int8" else 0)
+                got[mode] = np.array(cg.matmul(x, w, qtype), dtype=np.float64)
+            if m > SPLIT_ROWS:
+                np.testing.assert_array_equal(got["split"], got["float"])
+                continue
+            assert (got["split"] != got["float"]).any()
+            xn = np.array(x, dtype=np.float64)
+            exact = xn @ wf.astype(np.float64).T
+            d = np.repeat(np.abs(xn).reshape(m, -1, 256).max(-1) / 127, 256, axis=1)
+            err = np.abs(got["split"] - exact)
+            assert (err <= 1.0001 * (d / 508) @ wa.T + 256 * U * (np.abs(xn) @ wa.T)).all()
+            assert err.max() <= np.abs(got["int8"] - exact).max() / 100
+    finally:
+        cg._ext.ggml_set_register_rows(old[0])
+        cg.set_split_inputs(old[1])
+        cg.set_int8_input_rows(old[2])

@@ -368,5 +368,11 @@ void register_ggml(nb::module_& m) {
       nb::arg("rows"),
       "Input rows up to which the register kernels take the input quantized to int8 (0: always float32).");
   m.def("ggml_get_int8_rows", []() { return gg::int8_rows_setting().load(); });
+  m.def(
+      "ggml_set_split_inputs",
+      [](bool v) { gg::split_inputs_setting() = v; },
+      nb::arg("value"),
+      "Q4_K, Q5_K and Q6_K products take float inputs as two int8 levels (False: float32 inputs).");
+  m.def("ggml_get_split_inputs", []() { return gg::split_inputs_setting().load(); });
   m.def("ggml_has_avx2", []() { return gg::cpu_has_avx2(); });
 }

@@ -39,8 +39,15 @@ struct Inputs {
   int64_t ldq, ldd, lds;
   const int16_t* s16 = nullptr;  // the levels' sums over each 16 values (Q6_K), K / 16 a row
   int64_t lds16 = 0;
+  // split inputs (MatmulArgs::xq2): the second level, its scales and (Q6_K) sums, as q, d and s16
+  const int8_t* q2 = nullptr;
+  const float* d2 = nullptr;
+  const int16_t* s16_2 = nullptr;
   GGML_INLINE __m256i levels(int m, int64_t k) const {
     return load256(reinterpret_cast<const uint8_t*>(q + m * ldq + k));
+  }
+  GGML_INLINE __m256i levels2(int m, int64_t k) const {
+    return load256(reinterpret_cast<const uint8_t*>(q2 + m * ldq + k));
   }
 };
 
@@ -84,7 +91,7 @@ GGML_INLINE __m256i pick_scales(__m256i s16, const ScalePicks& picks, int j) {
 // for Q4_1 and Q5_1.
 template <class F>
 struct Legacy {
-  static constexpr int QK = 32, TS = F::TS;
+  static constexpr int QK = 32, TS = F::TS, ROWS = 8;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
     float d, mn = 0.0f;
@@ -110,9 +117,11 @@ struct Legacy {
 // so the sub-block scales multiply in integers: chunk j's 16-bit pair sums (_mm256_maddubs_epi16) times
 // its scale (_mm256_madd_epi16) add up in int32 over the block (at most 2 * 31 * 127 * 63 * 8 per
 // lane), converted once and scaled by d * dx; the minimums' term takes the float input's sums.
-template <class F>
+// SPLIT: split inputs (x ~ dx * a + dx2 * b), the same integer sums with b beside a's, converted and
+// scaled by d * dx2.
+template <class F, bool SPLIT = false>
 struct K4 {
-  static constexpr int QK = 256, TS = F::TS;
+  static constexpr int QK = 256, TS = F::TS, ROWS = SPLIT ? 2 : 4;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
     const __m128i raw = k4_scale_bytes(p);  // scales[8], mins[8]
@@ -123,18 +132,28 @@ struct K4 {
                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))));
     ChunkSink<8> levels;
     F::chunks(p, levels);
-    __m256i sums[MB];
+    __m256i sums[MB], sums2[SPLIT ? MB : 1];
     for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
+    if constexpr (SPLIT)
+      for (int m = 0; m < MB; ++m) sums2[m] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
       const __m256i sc = pick_scales(s16, kOneScale, j);
       for (int m = 0; m < MB; ++m) {
         const __m256i pairs = _mm256_maddubs_epi16(levels.q[j], in.levels(m, 256 * b + 32 * j));
         sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(pairs, sc));
+        if constexpr (SPLIT) {
+          const __m256i pairs2 = _mm256_maddubs_epi16(levels.q[j], in.levels2(m, 256 * b + 32 * j));
+          sums2[m] = _mm256_add_epi32(sums2[m], _mm256_madd_epi16(pairs2, sc));
+        }
       }
     }
     for (int m = 0; m < MB; ++m) {
       const __m256 dx = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d + m * in.ldd + b));
       acc[m] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(sums[m]), acc[m]);
+      if constexpr (SPLIT) {
+        const __m256 dx2 = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d2 + m * in.ldd + b));
+        acc[m] = _mm256_fmadd_ps(dx2, _mm256_cvtepi32_ps(sums2[m]), acc[m]);
+      }
       // - min * sum(x) for the 8 sub-blocks, lane by lane
       acc[m] = _mm256_fmadd_ps(neg_mn, _mm256_loadu_ps(in.s + m * in.lds + 8 * b), acc[m]);
     }
@@ -146,9 +165,11 @@ struct K4 {
 // pair sums of the stored levels 0..63 (_mm256_maddubs_epi16, at most 2 * 63 * 127) for its values
 // 0-15 (lanes 0-7) times scale 2j, for 16-31 (lanes 8-15) times scale 2j + 1; the offset 32 comes off
 // once a block as 32 * (scales . the input levels' sums over each 16), as llama.cpp does with its
-// Q8_K sums (at most 8 * 2 * 16002 * 128 + 32 * 16 * 2032 * 128 per lane).
+// Q8_K sums (at most 8 * 2 * 16002 * 128 + 32 * 16 * 2032 * 128 per lane). SPLIT: split inputs, as
+// in K4 (the second level's sums over each 16 values take its offset).
+template <bool SPLIT = false>
 struct Q6_K {
-  static constexpr int QK = 256, TS = FQ6_K::TS;
+  static constexpr int QK = 256, TS = FQ6_K::TS, ROWS = SPLIT ? 2 : 4;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
     const __m256i s16 = _mm256_cvtepi8_epi16(load128(p + 192));  // the 16 scales
@@ -157,22 +178,35 @@ struct Q6_K {
     const __m256 d = _mm256_set1_ps(h2f(p + 208));
     ChunkSink<8> levels;
     FQ6_K::unsigned_chunks(p, levels);
-    __m256i sums[MB];
+    __m256i sums[MB], sums2[SPLIT ? MB : 1];
     for (int m = 0; m < MB; ++m) {
       const auto* level_sums = reinterpret_cast<const uint8_t*>(in.s16 + m * in.lds16 + 16 * b);
       const __m256i offset = _mm256_madd_epi16(load256(level_sums), s16);
       sums[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+      if constexpr (SPLIT) {
+        const auto* level_sums2 = reinterpret_cast<const uint8_t*>(in.s16_2 + m * in.lds16 + 16 * b);
+        const __m256i offset2 = _mm256_madd_epi16(load256(level_sums2), s16);
+        sums2[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset2, 5));
+      }
     }
     for (int j = 0; j < 8; ++j) {
       const __m256i sc = pick_scales(j < 4 ? first : second, kTwoScales, j);
       for (int m = 0; m < MB; ++m) {
         const __m256i pairs = _mm256_maddubs_epi16(levels.q[j], in.levels(m, 256 * b + 32 * j));
         sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(pairs, sc));
+        if constexpr (SPLIT) {
+          const __m256i pairs2 = _mm256_maddubs_epi16(levels.q[j], in.levels2(m, 256 * b + 32 * j));
+          sums2[m] = _mm256_add_epi32(sums2[m], _mm256_madd_epi16(pairs2, sc));
+        }
       }
     }
     for (int m = 0; m < MB; ++m) {
       const __m256 dx = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d + m * in.ldd + b));
       acc[m] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(sums[m]), acc[m]);
+      if constexpr (SPLIT) {
+        const __m256 dx2 = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d2 + m * in.ldd + b));
+        acc[m] = _mm256_fmadd_ps(dx2, _mm256_cvtepi32_ps(sums2[m]), acc[m]);
+      }
     }
   }
 };
@@ -198,17 +232,12 @@ GGML_TARGET void row_dot_n(int n, const uint8_t* row, int64_t nblocks, const Inp
   row_dot<T, MB>(row, nblocks, in, out, ldo);
 }
 
-// The input rows a pass over a weight row takes at most: 8 for the 32-value types (accumulators
-// and one chunk in registers), 4 for the K-quants (their 8 chunks of a block stay in registers
-// beside them).
-template <class T>
-constexpr int max_pass_rows() {
-  return T::QK == 32 ? 8 : 4;
-}
-
+// The input rows a pass over a weight row takes at most (T::ROWS): 8 for the 32-value types
+// (accumulators and one chunk in registers), 4 for the K-quants (their 8 chunks of a block stay in
+// registers beside them), 2 with split inputs (two integer sums a row).
 template <class T>
 GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
-  constexpr int MB = max_pass_rows<T>();
+  constexpr int MB = T::ROWS;
   const int64_t rb = a.row_bytes(), nblocks = a.K / T::QK, ldd = a.K / a.xrun;
   // M rows in passes of even size (5 with MB = 4: 3 + 2, not 4 + 1: a pass decodes the row's blocks
   // again, which a single row does not amortize)
@@ -217,8 +246,17 @@ GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
     const uint8_t* row = a.w + r * rb;
     for (int64_t m = 0, p = 0; m < a.M; ++p) {
       const int n = static_cast<int>((a.M - m + (passes - p) - 1) / (passes - p));
-      const Inputs in{a.xq + m * a.K, a.xd + m * ldd, a.xsum ? a.xsum + m * (a.K / 32) : nullptr,
-                      a.K, ldd, a.K / 32, a.xsum16 ? a.xsum16 + m * (a.K / 16) : nullptr, a.K / 16};
+      const Inputs in{a.xq + m * a.K,
+                      a.xd + m * ldd,
+                      a.xsum ? a.xsum + m * (a.K / 32) : nullptr,
+                      a.K,
+                      ldd,
+                      a.K / 32,
+                      a.xsum16 ? a.xsum16 + m * (a.K / 16) : nullptr,
+                      a.K / 16,
+                      a.xq2 ? a.xq2 + m * a.K : nullptr,
+                      a.xd2 ? a.xd2 + m * ldd : nullptr,
+                      a.xsum16_2 ? a.xsum16_2 + m * (a.K / 16) : nullptr};
       row_dot_n<T, MB>(n, row, nblocks, in, a.out + m * a.N + r, a.N);
       m += n;
     }
@@ -227,7 +265,8 @@ GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
 
 }  // namespace int8_rows
 
-// Runs the dedicated int8 loop of a type; false for the types without one.
+// Runs the dedicated int8 loop of a type (with split inputs where a.xq2 is set: Q4_K, Q5_K, Q6_K);
+// false for the types without one.
 inline bool int8_rows_product(const MatmulArgs& a, int64_t r0, int64_t r1) {
   switch (a.type->id) {
     case kQ8_0:
@@ -246,13 +285,16 @@ inline bool int8_rows_product(const MatmulArgs& a, int64_t r0, int64_t r1) {
       int8_rows::rows<int8_rows::Legacy<FQ5_1>>(a, r0, r1);
       return true;
     case kQ4_K:
-      int8_rows::rows<int8_rows::K4<FQ4_K>>(a, r0, r1);
+      if (a.xq2 != nullptr) int8_rows::rows<int8_rows::K4<FQ4_K, true>>(a, r0, r1);
+      else int8_rows::rows<int8_rows::K4<FQ4_K>>(a, r0, r1);
       return true;
     case kQ5_K:
-      int8_rows::rows<int8_rows::K4<FQ5_K>>(a, r0, r1);
+      if (a.xq2 != nullptr) int8_rows::rows<int8_rows::K4<FQ5_K, true>>(a, r0, r1);
+      else int8_rows::rows<int8_rows::K4<FQ5_K>>(a, r0, r1);
       return true;
     case kQ6_K:
-      int8_rows::rows<int8_rows::Q6_K>(a, r0, r1);
+      if (a.xq2 != nullptr) int8_rows::rows<int8_rows::Q6_K<true>>(a, r0, r1);
+      else int8_rows::rows<int8_rows::Q6_K<>>(a, r0, r1);
       return true;
   }
   return false;

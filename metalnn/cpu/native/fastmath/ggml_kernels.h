@@ -84,6 +84,24 @@ inline std::atomic<int>& int8_rows_setting() {
   return rows;
 }
 
+// Whether the register kernels of Q4_K, Q5_K and Q6_K take float inputs as two int8 levels ("split
+// inputs"): each 256 values x ~ d1 * a + d2 * b, a = round(x / d1) with d1 = max|x| / 127 as
+// llama.cpp's Q8_K, b = round(r / d2) the residual r = x - d1 * a at d2 = max|r| / 127 <= d1 / 254, so
+// every value is off by at most d2 / 2 <= max|x| / 64516 (one int8 level: max|x| / 254). The block's
+// products then run as integer dot products with both levels (ggml_int8_rows.h), 1.2-1.4x the float
+// kernel from memory, and the product is within 3e-6 of sum |w x| (measured on random Q4_K rows of
+// 2048; one int8 level: 4e-3, float: 2e-8). Default on; METALNN_GGML_SPLIT_INPUTS=0 (or
+// `metalnn.cpu.ggml.set_split_inputs(False)`) keeps every product's input float32.
+inline bool default_split_inputs() {
+  const char* env = std::getenv("METALNN_GGML_SPLIT_INPUTS");
+  return env == nullptr || std::atoi(env) != 0;
+}
+
+inline std::atomic<bool>& split_inputs_setting() {
+  static std::atomic<bool> on{default_split_inputs()};
+  return on;
+}
+
 inline bool use_avx2() {
   return cpu_has_avx2() && !force_scalar_flag().load();
 }
@@ -101,6 +119,10 @@ struct MatmulArgs {
   const float* xd = nullptr;  // [M, K / xrun] the scale of each xrun values of xq
   int64_t xrun = 32;  // values per scale of xq (int8_input_run)
   const int16_t* xsum16 = nullptr;  // [M, K / 16] sums of xq over each 16 values (Q6_K's int8 loop)
+  // split inputs (split_inputs_setting): the second level, x ~ xd * xq + xd2 * xq2, or null
+  const int8_t* xq2 = nullptr;  // [M, K]
+  const float* xd2 = nullptr;  // [M, K / xrun]
+  const int16_t* xsum16_2 = nullptr;  // [M, K / 16] sums of xq2 over each 16 values (Q6_K)
   int64_t row_bytes() const {
     return K / type->block * type->size;
   }
@@ -1050,6 +1072,37 @@ inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int64_t run
     const float dc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     d[c] = dc;
     for (int64_t j = 0; j < run; ++j) q[run * c + j] = static_cast<int8_t>(std::nearbyint(xc[j] * inv));
+  }
+}
+
+// Input rows up to which split inputs run: with more, the doubled integer work makes the kernel
+// compute-bound (4 rows: Q4_K 1.0-1.25x the float kernel, Q6_K 0.9-1.0x, two threads, from memory).
+inline constexpr int64_t kSplitRows = 2;
+
+// Whether a product of M input rows of type id takes split inputs (split_inputs_setting): Q4_K,
+// Q5_K and Q6_K where their float register kernel would run, up to kSplitRows rows.
+inline bool uses_split(int id, int64_t M, bool avx2) {
+  return (id == kQ4_K || id == kQ5_K || id == kQ6_K) && M <= kSplitRows && uses_registers(id, M, avx2) &&
+         split_inputs_setting().load();
+}
+
+// The input rows x [M, K] as two int8 levels (split_inputs_setting): each `run` values get q, d as
+// quantize_rows_int8 writes them, then the residual r = x - d * q gets d2 = max|r| / 127 and
+// q2 = round(r / d2) (d2 = 0, q2 = 0 where r is all zero).
+inline void quantize_rows_split(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d, int8_t* q2,
+                                float* d2) {
+  quantize_rows_int8(x, M, K, run, q, d);
+  for (int64_t c = 0, n = M * K / run; c < n; ++c) {
+    const float* xc = x + run * c;
+    const int8_t* qc = q + run * c;
+    float rmax = 0.0f;
+    for (int64_t j = 0; j < run; ++j) rmax = std::max(rmax, std::fabs(xc[j] - d[c] * qc[j]));
+    const float inv = rmax > 0.0f ? 127.0f / rmax : 0.0f;
+    d2[c] = rmax / 127.0f;
+    for (int64_t j = 0; j < run; ++j) {
+      const float level = std::nearbyint((xc[j] - d[c] * qc[j]) * inv);
+      q2[run * c + j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, level)));
+    }
   }
 }
 
