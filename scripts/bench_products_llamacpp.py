@@ -9,7 +9,9 @@ model), so this compares them alone, kernel against kernel, on the same bytes:
   OpenMP threads. A small C program, compiled here against the ``libggml`` that
   ``../shared/tools/build-llamacpp`` built.
 * metalnn: `metalnn.cpu.ggml.matmul` on the same weight bytes and the same input, with float32
-  inputs (the default) and with int8 inputs (`metalnn.functional.ggml_int8_inputs`).
+  inputs (`metalnn.functional.ggml_exact_inputs`), as by default (the same but for Q4_K, Q5_K and
+  Q6_K: split inputs, two int8 levels, `metalnn.cpu.ggml.split_inputs`) and with int8 inputs
+  (`metalnn.functional.ggml_int8_inputs`).
 
 ``--mats`` copies of an ``N x K`` weight (default 16 of 8192 x 2048: ~140-280 MB, more than the
 caches hold, as a model's weights are) are multiplied in turn; the best of ``--repeat`` passes is
@@ -23,6 +25,7 @@ compared as a check that both read the same blocks (they differ by the inputs' i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -34,6 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_common as common  # noqa: E402
+
+SPLIT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # take split inputs by default (metalnn.cpu.ggml.split_inputs)
 
 HARNESS = r"""
 // out = W . x for `mats` copies of one packed weight, llama.cpp's vec_dot per row; prints the best
@@ -130,7 +135,7 @@ def main(argv=None):
     from metalnn import ggml as gg
     from metalnn.cpu import ggml as cg
     from metalnn.cpu import im2col
-    from metalnn.functional import ggml_int8_inputs
+    from metalnn.functional import ggml_exact_inputs, ggml_int8_inputs
 
     if not cg.has_avx2():
         sys.exit("metalnn's AVX2 kernels are not running here (no extension or no AVX2)")
@@ -161,25 +166,30 @@ def main(argv=None):
                 reference = np.fromfile(tmp / "out.bin", dtype=np.float32)
                 im2col.set_num_threads(threads)
                 times = {}
-                for int8 in (False, True):
-                    with ggml_int8_inputs(int8):
+                modes = {"float": ggml_exact_inputs(), "default": contextlib.nullcontext(), "int8": ggml_int8_inputs()}
+                for mode, context in modes.items():
+                    if mode == "default" and name not in SPLIT_TYPES:
+                        times[mode] = times["float"]  # the default is float32 inputs
+                        continue
+                    with context:
                         time_metalnn(cls, weights[:1], x, 1)
-                        times[int8] = time_metalnn(cls, weights, x, args.repeat)
+                        times[mode] = time_metalnn(cls, weights, x, args.repeat)
                         ours = np.array(cg.matmul(x, weights[0], cls))[0]
                     diff = np.abs(ours - reference).max() / max(np.abs(reference).max(), 1e-30)
                     if diff > 0.05:
                         sys.exit(f"{name}: metalnn and llama.cpp disagree (max difference {diff:.3g} of the largest)")
-                rows.append((name, threads, mb, peer, times[False], times[True]))
-                print(f"  {name} {threads} thread(s): llama.cpp {ms(peer)} ms ({mb / peer:.1f} GB/s); metalnn float "
-                      f"inputs {ms(times[False])} ms ({peer / times[False]:.2f}x), int8 inputs {ms(times[True])} ms "
-                      f"({peer / times[True]:.2f}x)", flush=True)
+                rows.append((name, threads, mb, peer, times))
+                print(f"  {name} {threads} thread(s): llama.cpp {ms(peer)} ms ({mb / peer:.1f} GB/s); metalnn "
+                      + ", ".join(f"{mode} inputs {ms(t)} ms ({peer / t:.2f}x)" for mode, t in times.items()), flush=True)
             del weights
     print(f"\n{common.load_line()}")
-    print("| type | threads | llama.cpp vec_dot | metalnn float inputs | ratio | metalnn int8 inputs | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, threads, mb, peer, f32, i8 in rows:
-        print(f"| {name} | {threads} | {ms(peer)} ms ({mb / peer:.1f} GB/s) | {ms(f32)} ms | {peer / f32:.2f}x | "
-              f"{ms(i8)} ms | {peer / i8:.2f}x |")
+    print("| type | threads | llama.cpp vec_dot | metalnn float inputs | ratio | default (split: Q4_K, Q5_K, Q6_K) "
+          "| ratio | int8 inputs | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, threads, mb, peer, times in rows:
+        print(f"| {name} | {threads} | {ms(peer)} ms ({mb / peer:.1f} GB/s) | "
+              + " | ".join(f"{ms(times[mode])} ms | {peer / times[mode]:.2f}x" for mode in ("float", "default", "int8"))
+              + " |")
 
 
 if __name__ == "__main__":

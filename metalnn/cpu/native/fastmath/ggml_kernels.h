@@ -1064,7 +1064,68 @@ inline bool uses_int8(int id, int64_t M, bool avx2) {
 // The input rows x [M, K] as int8 levels q [M, K] and scales d [M, K / run]: each `run` values
 // (32, or 256 for the K-quants' loops) get d = max|x| / 127 and q = round(x / d) (d = 0, q = 0
 // for an all-zero run).
+#if METALNN_GGML_X86
+// max |v| over n values (n a multiple of 8).
+GGML_TARGET inline float amax_avx2(const float* v, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(v + j), abs_mask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+
+// q[j] = round((x[j] - d * p[j]) * inv) for 32 values (p null: x[j] * inv), as int8 (|levels| <= 127
+// here), rounding half to even as std::nearbyint does.
+GGML_TARGET inline void levels32_avx2(const float* x, const int8_t* p, float d, float inv, int8_t* q) {
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i) {
+    __m256 t = _mm256_loadu_ps(x + 8 * i);
+    if (p != nullptr) {
+      const __m128i pi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
+      t = _mm256_sub_ps(t, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pi))));
+    }
+    t = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v[i] = _mm256_cvtps_epi32(t);
+  }
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, order));
+}
+
+// quantize_rows_int8 and the second level of quantize_rows_split for runs of a multiple of 32.
+GGML_TARGET inline void quantize_run_avx2(const float* x, int64_t run, int8_t* q, float* d, int8_t* q2, float* d2) {
+  const float amax = amax_avx2(x, run);
+  *d = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t j = 0; j < run; j += 32) levels32_avx2(x + j, nullptr, 0.0f, inv, q + j);
+  if (q2 == nullptr) return;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t j = 0; j < run; j += 8) {
+    const __m128i pi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j));
+    const __m256 r = _mm256_sub_ps(_mm256_loadu_ps(x + j),
+                                   _mm256_mul_ps(_mm256_set1_ps(*d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pi))));
+    m = _mm256_max_ps(m, _mm256_and_ps(r, abs_mask));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float rmax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  *d2 = rmax / 127.0f;
+  const float inv2 = rmax > 0.0f ? 127.0f / rmax : 0.0f;
+  for (int64_t j = 0; j < run; j += 32) levels32_avx2(x + j, q + j, *d, inv2, q2 + j);
+}
+#endif
+
 inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d) {
+#if METALNN_GGML_X86
+  if (use_avx2() && run % 32 == 0) {
+    for (int64_t c = 0, n = M * K / run; c < n; ++c)
+      quantize_run_avx2(x + run * c, run, q + run * c, d + c, nullptr, nullptr);
+    return;
+  }
+#endif
   for (int64_t c = 0, n = M * K / run; c < n; ++c) {
     const float* xc = x + run * c;
     float amax = 0.0f;
@@ -1091,6 +1152,13 @@ inline bool uses_split(int id, int64_t M, bool avx2) {
 // q2 = round(r / d2) (d2 = 0, q2 = 0 where r is all zero).
 inline void quantize_rows_split(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d, int8_t* q2,
                                 float* d2) {
+#if METALNN_GGML_X86
+  if (use_avx2() && run % 32 == 0) {
+    for (int64_t c = 0, n = M * K / run; c < n; ++c)
+      quantize_run_avx2(x + run * c, run, q + run * c, d + c, q2 + run * c, d2 + c);
+    return;
+  }
+#endif
   quantize_rows_int8(x, M, K, run, q, d);
   for (int64_t c = 0, n = M * K / run; c < n; ++c) {
     const float* xc = x + run * c;
