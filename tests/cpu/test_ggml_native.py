@@ -13,10 +13,10 @@ value; the tests allow 4 K * 2^-24 * (|x| @ |W|.T) elementwise (the errors seen 
 Half-precision results are that float32 sum rounded once (float16 2^-11, bfloat16 2^-8 relative).
 With int8 inputs every 32 inputs x_k (256 for Q4_K, Q5_K and Q6_K, as llama.cpp's Q8_K) are replaced
 by d * round(x_k / d), d = max|x| / 127 over the run, so each moves by at most d / 2: the product moves by at most sum_k |w_k| d_k / 2 more (added to
-the bound; the errors seen are 20-50x smaller). With split inputs (Q4_K, Q5_K and Q6_K on the register
-kernels, up to 2 input rows: the default, on the "registers_2threads" path; "registers_1thread" runs
-the float kernels) every 256 inputs become d * a + d2 * b with d2 <= d / 254, each within d2 / 2 of
-x_k: the bound gains sum_k |w_k| d_k / 508.
+the bound; the errors seen are 20-50x smaller). With split inputs (the types with an int8 loop on the
+register kernels, up to 2 input rows: the default, on the "registers_2threads" path; "registers_1thread"
+runs the float kernels) every run of inputs becomes d / 254 * (254 a + b), each within d / 508 of x_k:
+the bound gains sum_k |w_k| d_k / 508.
 """
 
 import io
@@ -51,7 +51,14 @@ PATHS = ["registers_2threads", "registers_1thread", "int8_registers", "decoded_3
 # whether the current path quantizes the inputs to int8, or splits them into two int8 levels (set by
 # the `path` fixture)
 INT8 = {"on": False, "split": False}
-SPLIT_TYPES, SPLIT_ROWS = {"Q4_K", "Q5_K", "Q6_K"}, 2  # uses_split / kSplitRows in ggml_kernels.h
+# uses_split / kSplitRows in ggml_kernels.h; the K-quants quantize runs of 256 inputs, the others of 32
+SPLIT_TYPES, SPLIT_ROWS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}, 2
+RUN_256 = {"Q4_K", "Q5_K", "Q6_K"}
+
+
+def input_run(qtype, k):
+    """Inputs per int8 scale: 256 for the K-quants' loops, else 32 (int8_input_run)."""
+    return 256 if qtype in RUN_256 and k % 256 == 0 else 32
 
 
 def require_native():
@@ -105,12 +112,13 @@ def int8_bound(xn, wf, qtype=None):
     """sum_k |w_k| d_k / 2 for inputs xn [M, K] quantized to int8 in runs of 32 (256 for the K-quants
     with their own loops; 0 unless the path quantizes, and for types without a register kernel), or
     sum_k |w_k| d_k / 508 for split inputs (qtype given)."""
-    if INT8["split"] and qtype in SPLIT_TYPES and xn.shape[0] <= SPLIT_ROWS and xn.shape[-1] % 256 == 0:
-        d = np.abs(xn).reshape(xn.shape[0], -1, 256).max(-1) / 127
-        return (np.repeat(d, 256, axis=1) / 508) @ np.abs(wf.astype(np.float64)).T
+    if INT8["split"] and qtype in SPLIT_TYPES and xn.shape[0] <= SPLIT_ROWS and xn.shape[-1] % 32 == 0:
+        run = input_run(qtype, xn.shape[-1])
+        d = np.abs(xn).reshape(xn.shape[0], -1, run).max(-1) / 127
+        return (np.repeat(d, run, axis=1) / 508) @ np.abs(wf.astype(np.float64)).T
     if not INT8["on"] or (qtype is not None and qtype not in REGISTER_TYPES) or xn.shape[-1] % 32:
         return 0.0
-    run = 256 if qtype in SPLIT_TYPES and xn.shape[-1] % 256 == 0 else 32
+    run = input_run(qtype, xn.shape[-1])
     d = np.abs(xn).reshape(xn.shape[0], -1, run).max(-1) / 127
     return (np.repeat(d, run, axis=1) / 2) @ np.abs(wf.astype(np.float64)).T
 
@@ -370,15 +378,15 @@ def test_split_inputs_setting():
 
 @pytest.mark.parametrize("qtype", sorted(SPLIT_TYPES))
 def test_split_inputs_within_their_bound(qtype):
-    """Q4_K, Q5_K and Q6_K with one or two input rows take split inputs: the product differs from
+    """The types with an int8 loop, with one or two input rows, take split inputs: the product differs from
     the float kernel's and is within the split bound sum_k |w_k| d_k / 508 plus 256 * 2^-24 * sum|w x|
-    (each block's integer sums are exact; their conversion, scaling and accumulation over the 8
+    (each block's integer sums are exact; their conversion, scaling and accumulation over the 8-64
     blocks, and the minimums' float sums of 32 inputs, round well under 64 times), and its largest
     error is under a hundredth of one int8 level's (the int8 inputs of the same product); with three
     rows the float kernel runs (the same bits as with split inputs switched off)."""
     require_native()
     old = cg._ext.ggml_get_register_rows(), cg.split_inputs(), cg.int8_input_rows()
-    w, wf = packed(qtype, 96, 8, seed=11)  # K = 2048
+    w, wf = packed(qtype, 96, 2048 // ggml.get_type(qtype).block_size, seed=11)  # K = 2048
     wa = np.abs(wf.astype(np.float64))
     rng = np.random.default_rng(12)
     try:
@@ -396,7 +404,8 @@ def test_split_inputs_within_their_bound(qtype):
             assert (got["split"] != got["float"]).any()
             xn = np.array(x, dtype=np.float64)
             exact = xn @ wf.astype(np.float64).T
-            d = np.repeat(np.abs(xn).reshape(m, -1, 256).max(-1) / 127, 256, axis=1)
+            run = input_run(qtype, 2048)
+            d = np.repeat(np.abs(xn).reshape(m, -1, run).max(-1) / 127, run, axis=1)
             err = np.abs(got["split"] - exact)
             assert (err <= 1.0001 * (d / 508) @ wa.T + 256 * U * (np.abs(xn) @ wa.T)).all()
             assert err.max() <= np.abs(got["int8"] - exact).max() / 100

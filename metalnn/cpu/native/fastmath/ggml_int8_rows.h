@@ -39,9 +39,9 @@ struct Inputs {
   int64_t ldq, ldd, lds;
   const int16_t* s16 = nullptr;  // the levels' sums over each 16 values (Q6_K), K / 16 a row
   int64_t lds16 = 0;
-  // split inputs (MatmulArgs::xq2): the second level, its scales and (Q6_K) sums, as q, d and s16
+  // split inputs (MatmulArgs::xq2): the second level and (Q6_K) its sums, as q and s16; the input
+  // is d * (q + q2 / 254)
   const int8_t* q2 = nullptr;
-  const float* d2 = nullptr;
   const int16_t* s16_2 = nullptr;
   GGML_INLINE __m256i levels(int m, int64_t k) const {
     return load256(reinterpret_cast<const uint8_t*>(q + m * ldq + k));
@@ -87,11 +87,28 @@ GGML_INLINE __m256i pick_scales(__m256i s16, const ScalePicks& picks, int j) {
 // block). Each `block<MB>(p, in, b, acc)` adds block b of a weight row to acc[m] (8 lanes summed at
 // the end) for the input rows 0 .. MB - 1 of `in`.
 
+// Split inputs (SPLIT: x ~ dx * (a + b / 254)): the integer dot with 254 a + b, as pair sums
+// (_mm256_maddubs_epi16) of each level, the first's times 254 (_mm256_madd_epi16), in int32.
+GGML_INLINE __m256i split_pairs(__m256i pairs_a, __m256i pairs_b, __m256i scale254, __m256i scale) {
+  return _mm256_add_epi32(_mm256_madd_epi16(pairs_a, scale254), _mm256_madd_epi16(pairs_b, scale));
+}
+
+// udot / sdot of 32 levels with split inputs a, b: the dot with 254 a + b, as floats (at most
+// 32 * 128 * 32639 in magnitude: exact in int32, within 2^-24 relative as float).
+GGML_INLINE __m256 udot_split(__m256i u, __m256i a, __m256i b) {
+  return _mm256_cvtepi32_ps(split_pairs(_mm256_maddubs_epi16(u, a), _mm256_maddubs_epi16(u, b), _mm256_set1_epi16(254),
+                                        _mm256_set1_epi16(1)));
+}
+
+GGML_INLINE __m256 sdot_split(__m256i q, __m256i a, __m256i b) {
+  return udot_split(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q), _mm256_sign_epi8(b, q));
+}
+
 // The 32-value formats (FQ8_0, FQ4_0, FQ4_1, FQ5_0, FQ5_1): scale * levels, plus the minimum (bias)
-// for Q4_1 and Q5_1.
-template <class F>
+// for Q4_1 and Q5_1. SPLIT: split inputs (udot_split / sdot_split, scaled by dx / 254).
+template <class F, bool SPLIT = false>
 struct Legacy {
-  static constexpr int QK = 32, TS = F::TS, ROWS = 8;
+  static constexpr int QK = 32, TS = F::TS, ROWS = SPLIT ? 2 : 8;
   template <int MB>
   GGML_INLINE static void block(const uint8_t* p, const Inputs& in, int64_t b, __m256* acc) {
     float d, mn = 0.0f;
@@ -99,6 +116,18 @@ struct Legacy {
     ChunkSink<1> levels;
     F::chunks(p, levels);
     for (int m = 0; m < MB; ++m) {
+      if constexpr (SPLIT) {
+        const __m256 dx = _mm256_set1_ps(d * in.d[m * in.ldd + b] * (1.0f / 254.0f));
+        const __m256i xa = in.levels(m, 32 * b), xb = in.levels2(m, 32 * b);
+        if constexpr (F::MIN) {
+          const __m256 t = _mm256_fmadd_ps(dx, udot_split(levels.q[0], xa, xb),
+                                           _mm256_setr_ps(mn * in.s[m * in.lds + b], 0, 0, 0, 0, 0, 0, 0));
+          acc[m] = _mm256_add_ps(acc[m], t);
+        } else {
+          acc[m] = _mm256_fmadd_ps(dx, sdot_split(levels.q[0], xa, xb), acc[m]);
+        }
+        continue;
+      }
       const __m256 dx = _mm256_set1_ps(d * in.d[m * in.ldd + b]);
       if constexpr (F::MIN) {
         // levels 0..31; the minimum's term mn * sum(x) rides in lane 0 of the scaled dot
@@ -117,8 +146,8 @@ struct Legacy {
 // so the sub-block scales multiply in integers: chunk j's 16-bit pair sums (_mm256_maddubs_epi16) times
 // its scale (_mm256_madd_epi16) add up in int32 over the block (at most 2 * 31 * 127 * 63 * 8 per
 // lane), converted once and scaled by d * dx; the minimums' term takes the float input's sums.
-// SPLIT: split inputs (x ~ dx * a + dx2 * b), the same integer sums with b beside a's, converted and
-// scaled by d * dx2.
+// SPLIT: split inputs (x ~ dx * (a + b / 254)): the sums of 254 a + b (split_pairs, the scales
+// times 254 at most 16002), at most 8 * 2 * 7874 * (16002 + 63) per lane < 2^31, scaled by d * dx / 254.
 template <class F, bool SPLIT = false>
 struct K4 {
   static constexpr int QK = 256, TS = F::TS, ROWS = SPLIT ? 2 : 4;
@@ -132,28 +161,24 @@ struct K4 {
                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))));
     ChunkSink<8> levels;
     F::chunks(p, levels);
-    __m256i sums[MB], sums2[SPLIT ? MB : 1];
+    __m256i sums[MB];
     for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
-    if constexpr (SPLIT)
-      for (int m = 0; m < MB; ++m) sums2[m] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
       const __m256i sc = pick_scales(s16, kOneScale, j);
       for (int m = 0; m < MB; ++m) {
         const __m256i pairs = _mm256_maddubs_epi16(levels.q[j], in.levels(m, 256 * b + 32 * j));
-        sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(pairs, sc));
         if constexpr (SPLIT) {
           const __m256i pairs2 = _mm256_maddubs_epi16(levels.q[j], in.levels2(m, 256 * b + 32 * j));
-          sums2[m] = _mm256_add_epi32(sums2[m], _mm256_madd_epi16(pairs2, sc));
+          sums[m] = _mm256_add_epi32(sums[m], split_pairs(pairs, pairs2, _mm256_mullo_epi16(sc, _mm256_set1_epi16(254)), sc));
+        } else {
+          sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(pairs, sc));
         }
       }
     }
+    const __m256 dscale = SPLIT ? _mm256_mul_ps(d, _mm256_set1_ps(1.0f / 254.0f)) : d;
     for (int m = 0; m < MB; ++m) {
-      const __m256 dx = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d + m * in.ldd + b));
+      const __m256 dx = _mm256_mul_ps(dscale, _mm256_broadcast_ss(in.d + m * in.ldd + b));
       acc[m] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(sums[m]), acc[m]);
-      if constexpr (SPLIT) {
-        const __m256 dx2 = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d2 + m * in.ldd + b));
-        acc[m] = _mm256_fmadd_ps(dx2, _mm256_cvtepi32_ps(sums2[m]), acc[m]);
-      }
       // - min * sum(x) for the 8 sub-blocks, lane by lane
       acc[m] = _mm256_fmadd_ps(neg_mn, _mm256_loadu_ps(in.s + m * in.lds + 8 * b), acc[m]);
     }
@@ -165,8 +190,9 @@ struct K4 {
 // pair sums of the stored levels 0..63 (_mm256_maddubs_epi16, at most 2 * 63 * 127) for its values
 // 0-15 (lanes 0-7) times scale 2j, for 16-31 (lanes 8-15) times scale 2j + 1; the offset 32 comes off
 // once a block as 32 * (scales . the input levels' sums over each 16), as llama.cpp does with its
-// Q8_K sums (at most 8 * 2 * 16002 * 128 + 32 * 16 * 2032 * 128 per lane). SPLIT: split inputs, as
-// in K4 (the second level's sums over each 16 values take its offset).
+// Q8_K sums (at most 8 * 2 * 16002 * 128 + 32 * 16 * 2032 * 128 per lane). SPLIT: split inputs, the
+// second level's sums apart (254 times the first's would overflow int32), with its own offset, and
+// scaled by d * dx / 254.
 template <bool SPLIT = false>
 struct Q6_K {
   static constexpr int QK = 256, TS = FQ6_K::TS, ROWS = SPLIT ? 2 : 4;
@@ -203,10 +229,7 @@ struct Q6_K {
     for (int m = 0; m < MB; ++m) {
       const __m256 dx = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d + m * in.ldd + b));
       acc[m] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(sums[m]), acc[m]);
-      if constexpr (SPLIT) {
-        const __m256 dx2 = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d2 + m * in.ldd + b));
-        acc[m] = _mm256_fmadd_ps(dx2, _mm256_cvtepi32_ps(sums2[m]), acc[m]);
-      }
+      if constexpr (SPLIT) acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dx, _mm256_set1_ps(1.0f / 254.0f)), _mm256_cvtepi32_ps(sums2[m]), acc[m]);
     }
   }
 };
@@ -255,7 +278,6 @@ GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
                       a.xsum16 ? a.xsum16 + m * (a.K / 16) : nullptr,
                       a.K / 16,
                       a.xq2 ? a.xq2 + m * a.K : nullptr,
-                      a.xd2 ? a.xd2 + m * ldd : nullptr,
                       a.xsum16_2 ? a.xsum16_2 + m * (a.K / 16) : nullptr};
       row_dot_n<T, MB>(n, row, nblocks, in, a.out + m * a.N + r, a.N);
       m += n;
@@ -265,32 +287,36 @@ GGML_TARGET void rows(const MatmulArgs& a, int64_t r0, int64_t r1) {
 
 }  // namespace int8_rows
 
-// Runs the dedicated int8 loop of a type (with split inputs where a.xq2 is set: Q4_K, Q5_K, Q6_K);
-// false for the types without one.
+// The int8 loop of type T, with split inputs where a.xq2 is set.
+template <template <class, bool> class T, class F>
+GGML_TARGET void rows_of(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  if (a.xq2 != nullptr) int8_rows::rows<T<F, true>>(a, r0, r1);
+  else int8_rows::rows<T<F, false>>(a, r0, r1);
+}
+
+// Runs the dedicated int8 loop of a type; false for the types without one.
 inline bool int8_rows_product(const MatmulArgs& a, int64_t r0, int64_t r1) {
   switch (a.type->id) {
     case kQ8_0:
-      int8_rows::rows<int8_rows::Legacy<FQ8_0>>(a, r0, r1);
+      rows_of<int8_rows::Legacy, FQ8_0>(a, r0, r1);
       return true;
     case kQ4_0:
-      int8_rows::rows<int8_rows::Legacy<FQ4_0>>(a, r0, r1);
+      rows_of<int8_rows::Legacy, FQ4_0>(a, r0, r1);
       return true;
     case kQ4_1:
-      int8_rows::rows<int8_rows::Legacy<FQ4_1>>(a, r0, r1);
+      rows_of<int8_rows::Legacy, FQ4_1>(a, r0, r1);
       return true;
     case kQ5_0:
-      int8_rows::rows<int8_rows::Legacy<FQ5_0>>(a, r0, r1);
+      rows_of<int8_rows::Legacy, FQ5_0>(a, r0, r1);
       return true;
     case kQ5_1:
-      int8_rows::rows<int8_rows::Legacy<FQ5_1>>(a, r0, r1);
+      rows_of<int8_rows::Legacy, FQ5_1>(a, r0, r1);
       return true;
     case kQ4_K:
-      if (a.xq2 != nullptr) int8_rows::rows<int8_rows::K4<FQ4_K, true>>(a, r0, r1);
-      else int8_rows::rows<int8_rows::K4<FQ4_K>>(a, r0, r1);
+      rows_of<int8_rows::K4, FQ4_K>(a, r0, r1);
       return true;
     case kQ5_K:
-      if (a.xq2 != nullptr) int8_rows::rows<int8_rows::K4<FQ5_K, true>>(a, r0, r1);
-      else int8_rows::rows<int8_rows::K4<FQ5_K>>(a, r0, r1);
+      rows_of<int8_rows::K4, FQ5_K>(a, r0, r1);
       return true;
     case kQ6_K:
       if (a.xq2 != nullptr) int8_rows::rows<int8_rows::Q6_K<true>>(a, r0, r1);

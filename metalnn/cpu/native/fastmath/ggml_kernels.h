@@ -84,14 +84,17 @@ inline std::atomic<int>& int8_rows_setting() {
   return rows;
 }
 
-// Whether the register kernels of Q4_K, Q5_K and Q6_K take float inputs as two int8 levels ("split
-// inputs"): each 256 values x ~ d1 * a + d2 * b, a = round(x / d1) with d1 = max|x| / 127 as
-// llama.cpp's Q8_K, b = round(r / d2) the residual r = x - d1 * a at d2 = max|r| / 127 <= d1 / 254, so
-// every value is off by at most d2 / 2 <= max|x| / 64516 (one int8 level: max|x| / 254). The block's
-// products then run as integer dot products with both levels (ggml_int8_rows.h), 1.2-1.4x the float
-// kernel from memory, and the product is within 3e-6 of sum |w x| (measured on random Q4_K rows of
-// 2048; one int8 level: 4e-3, float: 2e-8). Default on; METALNN_GGML_SPLIT_INPUTS=0 (or
-// `metalnn.cpu.ggml.set_split_inputs(False)`) keeps every product's input float32.
+// Whether the register kernels of the types with an int8 loop (ggml_int8_rows.h: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) take float inputs of one or two rows as two int8 levels ("split
+// inputs"): each run of int8_input_run values (32; 256 for the K-quants) becomes
+// X = round(x * 127 * 254 / max|x|), a 16-bit level (|X| <= 32258), written as X = 254 a + b with
+// a = round(X / 254) and b = X - 254 a (both int8, |b| <= 127), so x ~ (d / 254) (254 a + b) with
+// d = max|x| / 127 (a: llama.cpp's Q8_0 / Q8_K input) and every value is within d / 508 of x (one int8
+// level: d / 2). The products run as integer dot products with both levels, combined in integers
+// (ggml_int8_rows.h), 1.2-1.6x the float kernel from memory with one row; a product is within ~3e-6
+// of sum |w x| (measured on random rows of 2048; one int8 level: ~4e-3, float32 inputs: ~2e-8).
+// Default on; METALNN_GGML_SPLIT_INPUTS=0 (or `metalnn.cpu.ggml.set_split_inputs(False)`) keeps
+// every product's input float32.
 inline bool default_split_inputs() {
   const char* env = std::getenv("METALNN_GGML_SPLIT_INPUTS");
   return env == nullptr || std::atoi(env) != 0;
@@ -119,9 +122,8 @@ struct MatmulArgs {
   const float* xd = nullptr;  // [M, K / xrun] the scale of each xrun values of xq
   int64_t xrun = 32;  // values per scale of xq (int8_input_run)
   const int16_t* xsum16 = nullptr;  // [M, K / 16] sums of xq over each 16 values (Q6_K's int8 loop)
-  // split inputs (split_inputs_setting): the second level, x ~ xd * xq + xd2 * xq2, or null
+  // split inputs (split_inputs_setting): the second level, x ~ xd * (xq + xq2 / 254), or null
   const int8_t* xq2 = nullptr;  // [M, K]
-  const float* xd2 = nullptr;  // [M, K / xrun]
   const int16_t* xsum16_2 = nullptr;  // [M, K / 16] sums of xq2 over each 16 values (Q6_K)
   int64_t row_bytes() const {
     return K / type->block * type->size;
@@ -1076,45 +1078,35 @@ GGML_TARGET inline float amax_avx2(const float* v, int64_t n) {
   return _mm_cvtss_f32(h);
 }
 
-// q[j] = round((x[j] - d * p[j]) * inv) for 32 values (p null: x[j] * inv), as int8 (|levels| <= 127
-// here), rounding half to even as std::nearbyint does.
-GGML_TARGET inline void levels32_avx2(const float* x, const int8_t* p, float d, float inv, int8_t* q) {
-  __m256i v[4];
-  for (int i = 0; i < 4; ++i) {
-    __m256 t = _mm256_loadu_ps(x + 8 * i);
-    if (p != nullptr) {
-      const __m128i pi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
-      t = _mm256_sub_ps(t, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pi))));
-    }
-    t = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v[i] = _mm256_cvtps_epi32(t);
-  }
+// 32 int32 levels (|v| <= 127) as int8, in order.
+GGML_TARGET inline void store_levels32(const __m256i* v, int8_t* q) {
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, order));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-// quantize_rows_int8 and the second level of quantize_rows_split for runs of a multiple of 32.
-GGML_TARGET inline void quantize_run_avx2(const float* x, int64_t run, int8_t* q, float* d, int8_t* q2, float* d2) {
+// quantize_rows_int8 (q2 null) and quantize_rows_split for one run of a multiple of 32 values,
+// rounding half to even as std::nearbyint does.
+GGML_TARGET inline void quantize_run_avx2(const float* x, int64_t run, int8_t* q, float* d, int8_t* q2) {
   const float amax = amax_avx2(x, run);
   *d = amax / 127.0f;
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  for (int64_t j = 0; j < run; j += 32) levels32_avx2(x + j, nullptr, 0.0f, inv, q + j);
-  if (q2 == nullptr) return;
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  __m256 m = _mm256_setzero_ps();
-  for (int64_t j = 0; j < run; j += 8) {
-    const __m128i pi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j));
-    const __m256 r = _mm256_sub_ps(_mm256_loadu_ps(x + j),
-                                   _mm256_mul_ps(_mm256_set1_ps(*d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pi))));
-    m = _mm256_max_ps(m, _mm256_and_ps(r, abs_mask));
+  const float base = q2 != nullptr ? 254.0f : 1.0f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f * base / amax : 0.0f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t j = 0; j < run; j += 32) {
+    __m256i high[4], low[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 level = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * i), inv), kRound);
+      if (q2 == nullptr) {
+        high[i] = _mm256_cvtps_epi32(level);
+        continue;
+      }
+      const __m256 h = _mm256_round_ps(_mm256_mul_ps(level, _mm256_set1_ps(1.0f / 254.0f)), kRound);
+      high[i] = _mm256_cvtps_epi32(h);
+      low[i] = _mm256_cvtps_epi32(_mm256_sub_ps(level, _mm256_mul_ps(h, _mm256_set1_ps(254.0f))));
+    }
+    store_levels32(high, q + j);
+    if (q2 != nullptr) store_levels32(low, q2 + j);
   }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  const float rmax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-  *d2 = rmax / 127.0f;
-  const float inv2 = rmax > 0.0f ? 127.0f / rmax : 0.0f;
-  for (int64_t j = 0; j < run; j += 32) levels32_avx2(x + j, q + j, *d, inv2, q2 + j);
 }
 #endif
 
@@ -1122,7 +1114,7 @@ inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int64_t run
 #if METALNN_GGML_X86
   if (use_avx2() && run % 32 == 0) {
     for (int64_t c = 0, n = M * K / run; c < n; ++c)
-      quantize_run_avx2(x + run * c, run, q + run * c, d + c, nullptr, nullptr);
+      quantize_run_avx2(x + run * c, run, q + run * c, d + c, nullptr);
     return;
   }
 #endif
@@ -1136,40 +1128,47 @@ inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int64_t run
   }
 }
 
-// Input rows up to which split inputs run: with more, the doubled integer work makes the kernel
+// Input rows up to which split inputs run: with more, the doubled integer work makes the kernels
 // compute-bound (4 rows: Q4_K 1.0-1.25x the float kernel, Q6_K 0.9-1.0x, two threads, from memory).
 inline constexpr int64_t kSplitRows = 2;
 
-// Whether a product of M input rows of type id takes split inputs (split_inputs_setting): Q4_K,
-// Q5_K and Q6_K where their float register kernel would run, up to kSplitRows rows.
+// Whether a product of M input rows of type id takes split inputs (split_inputs_setting): the types
+// with an int8 loop where their float register kernel would run, up to kSplitRows rows.
 inline bool uses_split(int id, int64_t M, bool avx2) {
-  return (id == kQ4_K || id == kQ5_K || id == kQ6_K) && M <= kSplitRows && uses_registers(id, M, avx2) &&
-         split_inputs_setting().load();
+  switch (id) {
+    case kQ4_0:
+    case kQ4_1:
+    case kQ5_0:
+    case kQ5_1:
+    case kQ8_0:
+    case kQ4_K:
+    case kQ5_K:
+    case kQ6_K:
+      return M <= kSplitRows && uses_registers(id, M, avx2) && split_inputs_setting().load();
+  }
+  return false;
 }
 
-// The input rows x [M, K] as two int8 levels (split_inputs_setting): each `run` values get q, d as
-// quantize_rows_int8 writes them, then the residual r = x - d * q gets d2 = max|r| / 127 and
-// q2 = round(r / d2) (d2 = 0, q2 = 0 where r is all zero).
-inline void quantize_rows_split(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d, int8_t* q2,
-                                float* d2) {
+// The input rows x [M, K] as two int8 levels (split_inputs_setting): each `run` values get
+// d = max|x| / 127, X = round(x * 254 / d) and X = 254 q + q2 with q = round(X / 254) (d = 0, q = q2 = 0
+// for an all-zero run).
+inline void quantize_rows_split(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d, int8_t* q2) {
 #if METALNN_GGML_X86
   if (use_avx2() && run % 32 == 0) {
-    for (int64_t c = 0, n = M * K / run; c < n; ++c)
-      quantize_run_avx2(x + run * c, run, q + run * c, d + c, q2 + run * c, d2 + c);
+    for (int64_t c = 0, n = M * K / run; c < n; ++c) quantize_run_avx2(x + run * c, run, q + run * c, d + c, q2 + run * c);
     return;
   }
 #endif
-  quantize_rows_int8(x, M, K, run, q, d);
   for (int64_t c = 0, n = M * K / run; c < n; ++c) {
     const float* xc = x + run * c;
-    const int8_t* qc = q + run * c;
-    float rmax = 0.0f;
-    for (int64_t j = 0; j < run; ++j) rmax = std::max(rmax, std::fabs(xc[j] - d[c] * qc[j]));
-    const float inv = rmax > 0.0f ? 127.0f / rmax : 0.0f;
-    d2[c] = rmax / 127.0f;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < run; ++j) amax = std::max(amax, std::fabs(xc[j]));
+    d[c] = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f * 254.0f / amax : 0.0f;
     for (int64_t j = 0; j < run; ++j) {
-      const float level = std::nearbyint((xc[j] - d[c] * qc[j]) * inv);
-      q2[run * c + j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, level)));
+      const float level = std::nearbyint(xc[j] * inv), high = std::nearbyint(level * (1.0f / 254.0f));
+      q[run * c + j] = static_cast<int8_t>(high);
+      q2[run * c + j] = static_cast<int8_t>(level - 254.0f * high);
     }
   }
 }

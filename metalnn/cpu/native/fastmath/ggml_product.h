@@ -26,7 +26,7 @@ class PreparedProduct {
     a_.x = x;
     a_.out = out;
     const bool int8 = uses_int8(t.id, M, avx2_) && K % 32 == 0;
-    const bool split = !int8 && uses_split(t.id, M, avx2_);  // (a K-quant's K is whole blocks of 256)
+    const bool split = !int8 && uses_split(t.id, M, avx2_) && K % 32 == 0;  // (K-quants: whole blocks of 256)
     if (int8 || uses_registers(t.id, M, avx2_)) {
       if (int8 || split) {
         a_.xrun = int8_input_run(t.id);
@@ -34,10 +34,8 @@ class PreparedProduct {
         xd_.resize(static_cast<size_t>(M * K / a_.xrun));
         if (split) {
           xq2_.resize(static_cast<size_t>(M * K));
-          xd2_.resize(static_cast<size_t>(M * K / a_.xrun));
-          quantize_rows_split(x, M, K, a_.xrun, xq_.data(), xd_.data(), xq2_.data(), xd2_.data());
+          quantize_rows_split(x, M, K, a_.xrun, xq_.data(), xd_.data(), xq2_.data());
           a_.xq2 = xq2_.data();
-          a_.xd2 = xd2_.data();
         } else {
           quantize_rows_int8(x, M, K, a_.xrun, xq_.data(), xd_.data());
         }
@@ -87,7 +85,7 @@ class PreparedProduct {
  private:
   MatmulArgs a_{};
   bool avx2_ = false;
-  std::vector<float> xsum_, xperm_, xd_, xd2_;
+  std::vector<float> xsum_, xperm_, xd_;
   std::vector<int8_t> xq_, xq2_;
   std::vector<int16_t> xsum16_, xsum16_2_;
 };
