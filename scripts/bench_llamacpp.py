@@ -11,7 +11,7 @@ Files: the bundled SmolLM2-135M-Instruct Q4_1, and Q8_0 and Q4_K_M made from it 
   token of a 512-token random prompt (one forward over the 512 tokens) -> 512 / s. Decode: like
   ``tg64``, 64 tokens after a 1-token prompt (65 new tokens; the 64 after the first timed). One
   warm-up, then the median of ``--runs`` runs. Decoding is timed twice: with metalnn's default
-  product inputs (float32; Q4_K, Q5_K and Q6_K as two int8 levels, `metalnn.cpu.ggml.split_inputs`),
+  product inputs (the common types as two int8 levels, `metalnn.cpu.ggml.split_inputs`),
   and with int8 inputs as llama.cpp computes its products (`metalnn.functional.ggml_int8_inputs`, the
   commands' ``--int8-products``).
 

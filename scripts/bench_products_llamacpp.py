@@ -9,8 +9,8 @@ model), so this compares them alone, kernel against kernel, on the same bytes:
   OpenMP threads. A small C program, compiled here against the ``libggml`` that
   ``../shared/tools/build-llamacpp`` built.
 * metalnn: `metalnn.cpu.ggml.matmul` on the same weight bytes and the same input, with float32
-  inputs (`metalnn.functional.ggml_exact_inputs`), as by default (the same but for Q4_K, Q5_K and
-  Q6_K: split inputs, two int8 levels, `metalnn.cpu.ggml.split_inputs`) and with int8 inputs
+  inputs (`metalnn.functional.ggml_exact_inputs`), as by default (split inputs, two int8 levels,
+  for the common types: `metalnn.cpu.ggml.split_inputs`) and with int8 inputs
   (`metalnn.functional.ggml_int8_inputs`).
 
 ``--mats`` copies of an ``N x K`` weight (default 16 of 8192 x 2048: ~140-280 MB, more than the
@@ -38,7 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_common as common  # noqa: E402
 
-SPLIT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # take split inputs by default (metalnn.cpu.ggml.split_inputs)
+# take split inputs by default (metalnn.cpu.ggml.split_inputs)
+SPLIT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 HARNESS = r"""
 // out = W . x for `mats` copies of one packed weight, llama.cpp's vec_dot per row; prints the best
@@ -183,7 +184,7 @@ def main(argv=None):
                       + ", ".join(f"{mode} inputs {ms(t)} ms ({peer / t:.2f}x)" for mode, t in times.items()), flush=True)
             del weights
     print(f"\n{common.load_line()}")
-    print("| type | threads | llama.cpp vec_dot | metalnn float inputs | ratio | default (split: Q4_K, Q5_K, Q6_K) "
+    print("| type | threads | llama.cpp vec_dot | metalnn float inputs | ratio | default (split inputs) "
           "| ratio | int8 inputs | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, threads, mb, peer, times in rows:

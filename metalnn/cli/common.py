@@ -38,10 +38,10 @@ def add_product_inputs(parser):
         "decode GGUF models with the products' inputs quantized to int8 per 32 values (256 for Q4_K, Q5_K, "
         "Q6_K), as llama.cpp does: "
         "1.1-1.3x faster decoding on the CPU, a little less exact (default: float32 inputs, the products of "
-        "the dequantized weights; Q4_K, Q5_K and Q6_K as two int8 levels, within ~3e-6 of them)"))
+        "the dequantized weights, or as two int8 levels for the common types, within ~3e-6 of them)"))
     group.add_argument("--exact-products", action="store_true", help=(
-        "take every GGUF product's input in float32, also Q4_K, Q5_K and Q6_K's (by default two int8 levels "
-        "when decoding: 1.1-1.2x faster decoding of Q4_K_M files, within ~3e-6 of the float products)"))
+        "take every GGUF product's input in float32 (by default decoding steps of the common types take it as "
+        "two int8 levels: 1.04-1.3x faster decoding, within ~3e-6 of the float products)"))
 
 
 def use_product_inputs(args):

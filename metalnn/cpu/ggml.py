@@ -12,8 +12,8 @@ and BF16):
   time (a few input rows: 32 values at a time as int8 levels, widened to float, the sub-block scales
   applied to the partial sums; more rows: a few weight rows decoded to a float tile shared by all the
   input rows); the i-quant codebook types and TQ1_0 decode a block at a time into a buffer; elsewhere
-  portable C++ runs. The result is ``x @ dequantize(W).T`` up to the order of the float32 sums (Q4_K,
-  Q5_K and Q6_K with one or two input rows: within ~3e-6 of ``sum |w x|``, see `split_inputs`).
+  portable C++ runs. The result is ``x @ dequantize(W).T`` up to the order of the float32 sums (the
+  common types with one or two input rows: within ~3e-6 of ``sum |w x|``, see `split_inputs`).
 * `dequantize` gives the same floats as the type's MLX decoder (`metalnn.ggml.GGMLType.decode`),
   bit for bit, threaded over rows.
 
@@ -95,15 +95,16 @@ def set_int8_input_rows(rows: int) -> None:
 
 
 def split_inputs() -> bool:
-    """Whether Q4_K, Q5_K and Q6_K products of one or two input rows take the input as two int8
-    levels (True: the default).
+    """Whether products of one or two input rows with Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
+    Q6_K weights take the input as two int8 levels (True: the default).
 
-    Every 256 input values become ``d * a + d2 * b``: ``a`` the int8 levels at ``d = max|x| / 127``
-    (llama.cpp's Q8_K input), ``b`` the residual's levels at ``d2 = max|residual| / 127 <= d / 254``,
-    so each value is within ``max|x| / 64516`` of the float32 input and a product within ~3e-6 of
-    ``sum |w x|`` (one int8 level: ~4e-3; float32 inputs: ~2e-8). The products are integer dot
-    products with both levels: 1.2-1.6x faster than with float32 inputs on one decoding row
-    (``scripts/bench_products_llamacpp.py``). ``METALNN_GGML_SPLIT_INPUTS=0`` in the environment
+    Every 32 input values (256 for the K-quants, as llama.cpp's Q8_0 / Q8_K inputs) become 16-bit
+    levels ``X = round(x * 127 * 254 / max|x|)`` held as two int8 levels ``X = 254 a + b``, so each
+    value is within ``max|x| / 64516`` of the float32 input (one int8 level: ``max|x| / 254``) and a
+    product within ~3e-6 of ``sum |w x|`` (one int8 level: ~4e-3; float32 inputs: ~2e-8). The products
+    are integer dot products with both levels: 1.05-1.5x faster than with float32 inputs on one
+    decoding row (``scripts/bench_products_llamacpp.py``); ``scripts/product_inputs_quality.py``
+    shows what it does to a model's logits and perplexity. ``METALNN_GGML_SPLIT_INPUTS=0`` in the environment
     switches it off at start-up; `metalnn.functional.ggml_exact_inputs` (the commands'
     ``--exact-products``) for a block. `int8_input_rows`, where it applies, takes precedence.
     """

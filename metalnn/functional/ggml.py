@@ -125,9 +125,10 @@ def ggml_int8_inputs(enabled: bool = True):
 @contextlib.contextmanager
 def ggml_exact_inputs(enabled: bool = True):
     """Within the block, products with GGML weights on the CPU take their input in float32 (the
-    products of the dequantized weights up to the order of the float32 sums), also for Q4_K, Q5_K and
-    Q6_K, whose decoding products otherwise take it as two int8 levels (`metalnn.cpu.ggml.split_inputs`:
-    within ~3e-6 of ``sum |w x|``, 1.2-1.6x faster). The setting is process-wide and restored on exit;
+    products of the dequantized weights up to the order of the float32 sums), also the decoding
+    products of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), which otherwise take
+    it as two int8 levels (`metalnn.cpu.ggml.split_inputs`: within ~3e-6 of ``sum |w x|``, 1.05-1.5x
+    faster). The setting is process-wide and restored on exit;
     ``enabled=False`` leaves it as it is. No effect off the CPU or without the native extension."""
     if not enabled:
         yield

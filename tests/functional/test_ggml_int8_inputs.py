@@ -11,6 +11,10 @@ product (up to `INT8_INPUT_ROWS` = 8 input rows) must equal the reference within
 4 K u sum|x_k w_k|, u = 2^-24: the order of the sums differs) and be farther than that from the float
 product ``x @ W.T`` somewhere; outside it (restored), and for more rows than `INT8_INPUT_ROWS`, the
 product is the float one within the same bound.
+
+Split inputs (the default for one or two input rows of the types with an int8 loop; off inside
+`ggml_exact_inputs`) have the same reference with each run's 16-bit levels X = round(x * 32258 / max|x|)
+at d / 254 in place of the int8 levels at d (NumPy in float32 as the kernel computes them).
 """
 
 from __future__ import annotations
@@ -65,6 +69,17 @@ def quantized(x, run=32):
     return (levels.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
 
 
+def split_quantized(x, run=32):
+    """x [M, K] float32 as split inputs: X * d / 254 per run of values, X = round(x * 32258 / max|x|)
+    (254 a + b of the kernel's two int8 levels; float64)."""
+    runs = x.astype(np.float32).reshape(x.shape[0], -1, run)
+    amax = np.abs(runs).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127 * 254) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    levels = np.rint(runs * inv)  # |levels| <= 32258
+    return (levels.astype(np.float64) * d.astype(np.float64) / 254).reshape(x.shape)
+
+
 def product(x, w, qtype):
     return np.array(F.ggml_matmul(mx.array(x), w, ggml.get_type(qtype), device=Device()), dtype=np.float64)
 
@@ -111,3 +126,50 @@ def test_disabled_context_changes_nothing_and_setting_is_restored_after_errors()
         with F.ggml_int8_inputs():
             raise RuntimeError("inside")
     assert cpu_ggml.int8_input_rows() == old
+
+
+SPLIT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def split_bound(x, wf):
+    """64 u sum|x_k w_k|: the split kernel's integer sums are exact; each block's conversion, scaling
+    and accumulation rounds at most twice in a lane (16 blocks of 32 here, 2 of 256), the lanes' sum
+    3 times, the minimums' float32 sums of 32 inputs once a term (the errors seen: 0.2-1.2 u)."""
+    return 64 * U * (np.abs(x.astype(np.float64)) @ np.abs(wf).T) + 1e-30
+
+
+@pytest.mark.parametrize("qtype", SPLIT_TYPES)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decoding_products_take_split_inputs_by_default(qtype, rows):
+    w, wf, minimums = weight(qtype, seed=3)
+    x = np.random.default_rng(4).standard_normal((rows, K)).astype(np.float32)
+    exact = x.astype(np.float64) @ wf.T
+    rounded = split_quantized(x, RUNS.get(qtype, 32)) @ (wf - minimums).T + x.astype(np.float64) @ minimums.T
+    old = cpu_ggml.split_inputs(), cpu_ggml.int8_input_rows()
+    try:
+        cpu_ggml.set_split_inputs(True)
+        cpu_ggml.set_int8_input_rows(0)
+        got = product(x, w, qtype)
+        err = np.abs(got - rounded)
+        assert (err <= split_bound(x, wf)).all(), f"{qtype}: max error {err.max():.3g} against the split reference"
+        with F.ggml_exact_inputs():
+            assert cpu_ggml.split_inputs() is False
+            exact_got = product(x, w, qtype)
+        assert cpu_ggml.split_inputs() is True
+        assert (np.abs(exact_got - exact) <= bound(x, wf)).all()
+        # the float32 kernel is the float product, ten times farther from the split reference (seen:
+        # 50-230 u against 0.2-1.2 u, in units of u * sum|x_k w_k|)
+        assert err.max() * 10 < np.abs(exact_got - rounded).max()
+    finally:
+        cpu_ggml.set_split_inputs(old[0])
+        cpu_ggml.set_int8_input_rows(old[1])
+
+
+def test_exact_inputs_context_is_restored_after_errors():
+    old = cpu_ggml.split_inputs()
+    with F.ggml_exact_inputs(False):
+        assert cpu_ggml.split_inputs() is old
+    with pytest.raises(RuntimeError, match="inside"):
+        with F.ggml_exact_inputs():
+            raise RuntimeError("inside")
+    assert cpu_ggml.split_inputs() is old

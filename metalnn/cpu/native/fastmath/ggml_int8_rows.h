@@ -11,6 +11,10 @@
 // third of the time of a decoding product), each block's levels are decoded once, by the
 // format's own `chunks`, for all input rows, and the K-quants (Q4_K, Q5_K, Q6_K), whose input has
 // one scale a block, multiply their sub-block scales in integers and convert once a block.
+//
+// The same loops take split inputs (quantize_rows_split, `SPLIT` below: the default for one or two
+// float input rows): a second int8 level xq2 beside xq, the input d / 254 * (254 xq + xq2), each
+// chunk's integer dot taken with both and combined in int32 before the one conversion.
 #pragma once
 
 #include "ggml_kernels.h"
