@@ -12,7 +12,7 @@
 // format's own `chunks`, for all input rows, and the K-quants (Q4_K, Q5_K, Q6_K), whose input has
 // one scale a block, multiply their sub-block scales in integers and convert once a block.
 //
-// The same loops take split inputs (quantize_rows_split, `SPLIT` below: the default for one or two
+// The same loops take split inputs (quantize_rows_int8 with q2, `SPLIT` below: the default for one or two
 // float input rows): a second int8 level xq2 beside xq, the input d / 254 * (254 xq + xq2), each
 // chunk's integer dot taken with both and combined in int32 before the one conversion.
 #pragma once

@@ -1084,7 +1084,7 @@ GGML_TARGET inline void store_levels32(const __m256i* v, int8_t* q) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-// quantize_rows_int8 (q2 null) and quantize_rows_split for one run of a multiple of 32 values,
+// quantize_rows_int8 for one run of a multiple of 32 values (q2 null: one int8 level),
 // rounding half to even as std::nearbyint does.
 GGML_TARGET inline void quantize_run_avx2(const float* x, int64_t run, int8_t* q, float* d, int8_t* q2) {
   const float amax = amax_avx2(x, run);
@@ -1110,24 +1110,6 @@ GGML_TARGET inline void quantize_run_avx2(const float* x, int64_t run, int8_t* q
 }
 #endif
 
-inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d) {
-#if METALNN_GGML_X86
-  if (use_avx2() && run % 32 == 0) {
-    for (int64_t c = 0, n = M * K / run; c < n; ++c)
-      quantize_run_avx2(x + run * c, run, q + run * c, d + c, nullptr);
-    return;
-  }
-#endif
-  for (int64_t c = 0, n = M * K / run; c < n; ++c) {
-    const float* xc = x + run * c;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < run; ++j) amax = std::max(amax, std::fabs(xc[j]));
-    const float dc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    d[c] = dc;
-    for (int64_t j = 0; j < run; ++j) q[run * c + j] = static_cast<int8_t>(std::nearbyint(xc[j] * inv));
-  }
-}
-
 // Input rows up to which split inputs run: with more, the doubled integer work makes the kernels
 // compute-bound (4 rows: Q4_K 1.0-1.25x the float kernel, Q6_K 0.9-1.0x, two threads, from memory).
 inline constexpr int64_t kSplitRows = 2;
@@ -1149,24 +1131,32 @@ inline bool uses_split(int id, int64_t M, bool avx2) {
   return false;
 }
 
-// The input rows x [M, K] as two int8 levels (split_inputs_setting): each `run` values get
-// d = max|x| / 127, X = round(x * 254 / d) and X = 254 q + q2 with q = round(X / 254) (d = 0, q = q2 = 0
-// for an all-zero run).
-inline void quantize_rows_split(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d, int8_t* q2) {
+// The input rows x [M, K] as int8: each `run` values get d = max|x| / 127 and levels q = round(x / d)
+// (d = 0, q = 0 for an all-zero run); or, with q2 (split inputs, split_inputs_setting), 16-bit levels
+// X = round(x * 254 / d) held as X = 254 q + q2, q = round(X / 254).
+inline void quantize_rows_int8(const float* x, int64_t M, int64_t K, int64_t run, int8_t* q, float* d,
+                               int8_t* q2 = nullptr) {
 #if METALNN_GGML_X86
   if (use_avx2() && run % 32 == 0) {
-    for (int64_t c = 0, n = M * K / run; c < n; ++c) quantize_run_avx2(x + run * c, run, q + run * c, d + c, q2 + run * c);
+    for (int64_t c = 0, n = M * K / run; c < n; ++c)
+      quantize_run_avx2(x + run * c, run, q + run * c, d + c, q2 != nullptr ? q2 + run * c : nullptr);
     return;
   }
 #endif
+  const float base = q2 != nullptr ? 254.0f : 1.0f;
   for (int64_t c = 0, n = M * K / run; c < n; ++c) {
     const float* xc = x + run * c;
     float amax = 0.0f;
     for (int64_t j = 0; j < run; ++j) amax = std::max(amax, std::fabs(xc[j]));
     d[c] = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f * 254.0f / amax : 0.0f;
+    const float inv = amax > 0.0f ? 127.0f * base / amax : 0.0f;
     for (int64_t j = 0; j < run; ++j) {
-      const float level = std::nearbyint(xc[j] * inv), high = std::nearbyint(level * (1.0f / 254.0f));
+      const float level = std::nearbyint(xc[j] * inv);
+      if (q2 == nullptr) {
+        q[run * c + j] = static_cast<int8_t>(level);
+        continue;
+      }
+      const float high = std::nearbyint(level * (1.0f / 254.0f));
       q[run * c + j] = static_cast<int8_t>(high);
       q2[run * c + j] = static_cast<int8_t>(level - 254.0f * high);
     }

@@ -34,11 +34,9 @@ class PreparedProduct {
         xd_.resize(static_cast<size_t>(M * K / a_.xrun));
         if (split) {
           xq2_.resize(static_cast<size_t>(M * K));
-          quantize_rows_split(x, M, K, a_.xrun, xq_.data(), xd_.data(), xq2_.data());
           a_.xq2 = xq2_.data();
-        } else {
-          quantize_rows_int8(x, M, K, a_.xrun, xq_.data(), xd_.data());
         }
+        quantize_rows_int8(x, M, K, a_.xrun, xq_.data(), xd_.data(), split ? xq2_.data() : nullptr);
         a_.xq = xq_.data();
         a_.xd = xd_.data();
         if (t.id == kQ6_K) {
