@@ -167,7 +167,8 @@ def main(argv=None):
                 reference = np.fromfile(tmp / "out.bin", dtype=np.float32)
                 im2col.set_num_threads(threads)
                 times = {}
-                modes = {"float": ggml_exact_inputs(), "default": contextlib.nullcontext(), "int8": ggml_int8_inputs()}
+                modes = {"float": ggml_exact_inputs(), "default": contextlib.nullcontext(),
+                         "int8": ggml_int8_inputs()}
                 for mode, context in modes.items():
                     if mode == "default" and name not in SPLIT_TYPES:
                         times[mode] = times["float"]  # the default is float32 inputs
@@ -181,7 +182,8 @@ def main(argv=None):
                         sys.exit(f"{name}: metalnn and llama.cpp disagree (max difference {diff:.3g} of the largest)")
                 rows.append((name, threads, mb, peer, times))
                 print(f"  {name} {threads} thread(s): llama.cpp {ms(peer)} ms ({mb / peer:.1f} GB/s); metalnn "
-                      + ", ".join(f"{mode} inputs {ms(t)} ms ({peer / t:.2f}x)" for mode, t in times.items()), flush=True)
+                      + ", ".join(f"{mode} inputs {ms(t)} ms ({peer / t:.2f}x)" for mode, t in times.items()),
+                      flush=True)
             del weights
     print(f"\n{common.load_line()}")
     print("| type | threads | llama.cpp vec_dot | metalnn float inputs | ratio | default (split inputs) "
@@ -189,7 +191,7 @@ def main(argv=None):
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, threads, mb, peer, times in rows:
         print(f"| {name} | {threads} | {ms(peer)} ms ({mb / peer:.1f} GB/s) | "
-              + " | ".join(f"{ms(times[mode])} ms | {peer / times[mode]:.2f}x" for mode in ("float", "default", "int8"))
+              + " | ".join(f"{ms(times[m])} ms | {peer / times[m]:.2f}x" for m in ("float", "default", "int8"))
               + " |")
 
 

@@ -12,8 +12,8 @@ sub-block), so it is within the float32 summation bound ~K * 2^-24 * sum|x_k w_k
 value; the tests allow 4 K * 2^-24 * (|x| @ |W|.T) elementwise (the errors seen are ~100x smaller).
 Half-precision results are that float32 sum rounded once (float16 2^-11, bfloat16 2^-8 relative).
 With int8 inputs every 32 inputs x_k (256 for Q4_K, Q5_K and Q6_K, as llama.cpp's Q8_K) are replaced
-by d * round(x_k / d), d = max|x| / 127 over the run, so each moves by at most d / 2: the product moves by at most sum_k |w_k| d_k / 2 more (added to
-the bound; the errors seen are 20-50x smaller). With split inputs (the types with an int8 loop on the
+by d * round(x_k / d), d = max|x| / 127 over the run, so each moves by at most d / 2: the product
+moves by at most sum_k |w_k| d_k / 2 more (added to the bound; the errors seen are 20-50x smaller). With split inputs (the types with an int8 loop on the
 register kernels, up to 2 input rows: the default, on the "registers_2threads" path; "registers_1thread"
 runs the float kernels) every run of inputs becomes d / 254 * (254 a + b), each within d / 508 of x_k:
 the bound gains sum_k |w_k| d_k / 508.
@@ -413,3 +413,38 @@ def test_split_inputs_within_their_bound(qtype):
         cg._ext.ggml_set_register_rows(old[0])
         cg.set_split_inputs(old[1])
         cg.set_int8_input_rows(old[2])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q8_0"])
+def test_split_inputs_at_the_largest_levels(qtype):
+    """Every weight level and sub-block scale at its largest and inputs at the largest levels (a =
+    +-127, b up to +-127): the integer sums reach their bound (Q5_K: 255 * 8 * 2 * 7874 * 63 per lane,
+    2.02e9 < 2^31) and must not wrap; the product is checked against float64 as above."""
+    require_native()
+    cls = ggml.get_type(qtype)
+    block = np.full(cls.type_size, 0xFF, dtype=np.uint8)
+    block[:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)  # d = 1
+    if qtype != "Q8_0":
+        block[2:4] = 0  # dmin = 0: no minimum term
+    else:
+        block[2:] = 0x81  # levels -127
+    w = mx.array(np.tile(block, (4, 2048 // cls.block_size)).reshape(4, -1))
+    wf = np.array(cls.decode(w), dtype=np.float64)
+    x = np.ones((2, 2048), dtype=np.float32)
+    x[1, 1::2] = -1 + 1 / 300  # the second row: b at its extremes
+    x[1, 0] = -1
+    old = cg._ext.ggml_get_register_rows(), cg.split_inputs(), cg.int8_input_rows()
+    try:
+        cg._ext.ggml_set_register_rows(4)
+        cg.set_int8_input_rows(0)
+        cg.set_split_inputs(True)
+        got = np.array(cg.matmul(mx.array(x), w, qtype), dtype=np.float64)
+    finally:
+        cg._ext.ggml_set_register_rows(old[0])
+        cg.set_split_inputs(old[1])
+        cg.set_int8_input_rows(old[2])
+    xn = x.astype(np.float64)
+    exact = xn @ wf.T
+    wa = np.abs(wf)
+    d = np.repeat(np.abs(xn).reshape(2, -1, input_run(qtype, 2048)).max(-1) / 127, input_run(qtype, 2048), axis=1)
+    assert (np.abs(got - exact) <= 1.0001 * (d / 508) @ wa.T + 256 * U * (np.abs(xn) @ wa.T)).all(), (got, exact)

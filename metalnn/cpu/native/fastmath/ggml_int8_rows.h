@@ -91,17 +91,13 @@ GGML_INLINE __m256i pick_scales(__m256i s16, const ScalePicks& picks, int j) {
 // block). Each `block<MB>(p, in, b, acc)` adds block b of a weight row to acc[m] (8 lanes summed at
 // the end) for the input rows 0 .. MB - 1 of `in`.
 
-// Split inputs (SPLIT: x ~ dx * (a + b / 254)): the integer dot with 254 a + b, as pair sums
-// (_mm256_maddubs_epi16) of each level, the first's times 254 (_mm256_madd_epi16), in int32.
-GGML_INLINE __m256i split_pairs(__m256i pairs_a, __m256i pairs_b, __m256i scale254, __m256i scale) {
-  return _mm256_add_epi32(_mm256_madd_epi16(pairs_a, scale254), _mm256_madd_epi16(pairs_b, scale));
-}
-
-// udot / sdot of 32 levels with split inputs a, b: the dot with 254 a + b, as floats (at most
-// 32 * 128 * 32639 in magnitude: exact in int32, within 2^-24 relative as float).
+// udot / sdot of 32 levels with split inputs a, b (SPLIT: x ~ dx * (a + b / 254)): the dot with
+// 254 a + b, from the pair sums (_mm256_maddubs_epi16) of each level, the first's times 254
+// (_mm256_madd_epi16), as floats (at most 4 * 128 * 127 * 255 < 2^24 per lane: exact).
 GGML_INLINE __m256 udot_split(__m256i u, __m256i a, __m256i b) {
-  return _mm256_cvtepi32_ps(split_pairs(_mm256_maddubs_epi16(u, a), _mm256_maddubs_epi16(u, b), _mm256_set1_epi16(254),
-                                        _mm256_set1_epi16(1)));
+  const __m256i pairs_a = _mm256_maddubs_epi16(u, a), pairs_b = _mm256_maddubs_epi16(u, b);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(pairs_a, _mm256_set1_epi16(254)),
+                                             _mm256_madd_epi16(pairs_b, _mm256_set1_epi16(1))));
 }
 
 GGML_INLINE __m256 sdot_split(__m256i q, __m256i a, __m256i b) {
@@ -150,8 +146,9 @@ struct Legacy {
 // so the sub-block scales multiply in integers: chunk j's 16-bit pair sums (_mm256_maddubs_epi16) times
 // its scale (_mm256_madd_epi16) add up in int32 over the block (at most 2 * 31 * 127 * 63 * 8 per
 // lane), converted once and scaled by d * dx; the minimums' term takes the float input's sums.
-// SPLIT: split inputs (x ~ dx * (a + b / 254)): the sums of 254 a + b (split_pairs, the scales
-// times 254 at most 16002), at most 8 * 2 * 7874 * (16002 + 63) per lane < 2^31, scaled by d * dx / 254.
+// SPLIT: split inputs (x ~ dx * (a + b / 254)): the sums with a and with b apart, combined as
+// 254 sums_a + sums_b once a block (at most 255 * 8 * 2 * 7874 * 63 per lane < 2^31), scaled by
+// d * dx / 254.
 template <class F, bool SPLIT = false>
 struct K4 {
   static constexpr int QK = 256, TS = F::TS, ROWS = SPLIT ? 2 : 4;
@@ -165,20 +162,24 @@ struct K4 {
                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))));
     ChunkSink<8> levels;
     F::chunks(p, levels);
-    __m256i sums[MB];
+    __m256i sums[MB], sums2[SPLIT ? MB : 1];
     for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
+    if constexpr (SPLIT)
+      for (int m = 0; m < MB; ++m) sums2[m] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
       const __m256i sc = pick_scales(s16, kOneScale, j);
       for (int m = 0; m < MB; ++m) {
         const __m256i pairs = _mm256_maddubs_epi16(levels.q[j], in.levels(m, 256 * b + 32 * j));
+        sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(pairs, sc));
         if constexpr (SPLIT) {
           const __m256i pairs2 = _mm256_maddubs_epi16(levels.q[j], in.levels2(m, 256 * b + 32 * j));
-          sums[m] = _mm256_add_epi32(sums[m], split_pairs(pairs, pairs2, _mm256_mullo_epi16(sc, _mm256_set1_epi16(254)), sc));
-        } else {
-          sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(pairs, sc));
+          sums2[m] = _mm256_add_epi32(sums2[m], _mm256_madd_epi16(pairs2, sc));
         }
       }
     }
+    if constexpr (SPLIT)  // 254 a + b: once a block
+      for (int m = 0; m < MB; ++m)
+        sums[m] = _mm256_add_epi32(_mm256_mullo_epi32(sums[m], _mm256_set1_epi32(254)), sums2[m]);
     const __m256 dscale = SPLIT ? _mm256_mul_ps(d, _mm256_set1_ps(1.0f / 254.0f)) : d;
     for (int m = 0; m < MB; ++m) {
       const __m256 dx = _mm256_mul_ps(dscale, _mm256_broadcast_ss(in.d + m * in.ldd + b));
@@ -233,7 +234,10 @@ struct Q6_K {
     for (int m = 0; m < MB; ++m) {
       const __m256 dx = _mm256_mul_ps(d, _mm256_broadcast_ss(in.d + m * in.ldd + b));
       acc[m] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(sums[m]), acc[m]);
-      if constexpr (SPLIT) acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dx, _mm256_set1_ps(1.0f / 254.0f)), _mm256_cvtepi32_ps(sums2[m]), acc[m]);
+      if constexpr (SPLIT) {
+        const __m256 dx2 = _mm256_mul_ps(dx, _mm256_set1_ps(1.0f / 254.0f));
+        acc[m] = _mm256_fmadd_ps(dx2, _mm256_cvtepi32_ps(sums2[m]), acc[m]);
+      }
     }
   }
 };

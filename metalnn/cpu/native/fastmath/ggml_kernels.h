@@ -1081,7 +1081,8 @@ GGML_TARGET inline float amax_avx2(const float* v, int64_t n) {
 // 32 int32 levels (|v| <= 127) as int8, in order.
 GGML_TARGET inline void store_levels32(const __m256i* v, int8_t* q) {
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, order));
 }
 
 // quantize_rows_int8 for one run of a multiple of 32 values (q2 null: one int8 level),
