@@ -111,15 +111,8 @@ def ggml_int8_inputs(enabled: bool = True):
     the sums, or within ~3e-6 of ``sum |w x|``: `ggml_exact_inputs`). The setting is
     process-wide (`metalnn.cpu.ggml.set_int8_input_rows`) and restored on exit; ``enabled=False``
     leaves it as it is. No effect off the CPU or without the native extension."""
-    if not enabled:
+    with _process_setting(cpu_ggml.int8_input_rows, cpu_ggml.set_int8_input_rows, INT8_INPUT_ROWS, enabled):
         yield
-        return
-    old = cpu_ggml.int8_input_rows()
-    cpu_ggml.set_int8_input_rows(INT8_INPUT_ROWS)
-    try:
-        yield
-    finally:
-        cpu_ggml.set_int8_input_rows(old)
 
 
 @contextlib.contextmanager
@@ -130,12 +123,20 @@ def ggml_exact_inputs(enabled: bool = True):
     it as two int8 levels (`metalnn.cpu.ggml.split_inputs`: within ~3e-6 of ``sum |w x|``, 1.05-1.5x
     faster). The setting is process-wide and restored on exit;
     ``enabled=False`` leaves it as it is. No effect off the CPU or without the native extension."""
+    with _process_setting(cpu_ggml.split_inputs, cpu_ggml.set_split_inputs, False, enabled):
+        yield
+
+
+@contextlib.contextmanager
+def _process_setting(get, put, value, enabled: bool):
+    """A process-wide setting at ``value`` within the block (untouched if not ``enabled``), then
+    restored, also after an error."""
     if not enabled:
         yield
         return
-    old = cpu_ggml.split_inputs()
-    cpu_ggml.set_split_inputs(False)
+    old = get()
+    put(value)
     try:
         yield
     finally:
-        cpu_ggml.set_split_inputs(old)
+        put(old)
